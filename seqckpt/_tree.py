@@ -1,0 +1,48 @@
+"""Flatten nested tuples, lists and dicts to their tensors, and rebuild them.
+
+Only these containers (and namedtuples) are opened; any other object is a leaf
+that is passed through untouched. Internal: nothing here is public API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Rebuild = Callable[[list[torch.Tensor]], Any]
+
+
+def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Every tensor inside ``obj``, depth first, in a stable order."""
+    if out is None:
+        out = []
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            tensors_in(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            tensors_in(item, out)
+    return out
+
+
+def replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with its tensors, in :func:`tensors_in` order, replaced by ``tensors``."""
+    it = iter(tensors)
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return next(it)
+        if isinstance(o, tuple):
+            items = [walk(i) for i in o]
+            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+        if isinstance(o, list):
+            return type(o)(walk(i) for i in o)
+        if isinstance(o, dict):
+            return type(o)((k, walk(v)) for k, v in o.items())
+        return o
+
+    return walk(obj)

@@ -1,0 +1,548 @@
+"""Tests of the recompute primitive, one block per promise in its docstring."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections import namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+import seqckpt
+from seqckpt import CheckpointError, checkpoint
+from tests.oracle import assert_matches_plain
+
+
+def mlp(dropout: float = 0.3, bn: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 16), nn.Dropout(dropout), nn.GELU()]
+    if bn:
+        layers.append(nn.BatchNorm1d(16))
+    layers.append(nn.Linear(16, 4))
+    return nn.Sequential(*layers)
+
+
+class Counting(nn.Module):
+    """Counts its calls, so tests can prove a recompute happened."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x)
+
+
+# ------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+@pytest.mark.parametrize("bn", [False, True])
+def test_parity_with_plain_run(dropout: float, bn: bool) -> None:
+    x = torch.randn(6, 8, requires_grad=True)
+    assert_matches_plain(mlp(dropout, bn), x, lambda m, x: checkpoint(m, x))
+
+
+def test_parity_when_input_needs_no_grad() -> None:
+    x = torch.randn(6, 8)
+    assert_matches_plain(mlp(), x, lambda m, x: checkpoint(m, x))
+
+
+def test_recompute_happens_once_per_backward() -> None:
+    block = Counting(nn.Linear(4, 4))
+    y = checkpoint(block, torch.randn(2, 4, requires_grad=True))
+    assert block.calls == 1
+    y.sum().backward()
+    assert block.calls == 2
+
+
+def test_keeps_no_activation_of_the_function() -> None:
+    """The tensors autograd saves inside are not held after forward."""
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp()  # exp saves its output
+        alive.append(weakref.ref(h))
+        return (h * 2).sin()
+
+    y = checkpoint(f, torch.randn(3, requires_grad=True))
+    assert alive[0]() is None
+    y.sum().backward()
+
+
+# ------------------------------------------------------- autograd surface
+
+
+def test_autograd_grad_writes_no_grad_fields() -> None:
+    model, reference = mlp(), mlp()
+    x = torch.randn(6, 8, requires_grad=True)
+    torch.manual_seed(1)
+    (got,) = torch.autograd.grad(checkpoint(model, x).sum(), x)
+    assert x.grad is None
+    assert all(p.grad is None for p in model.parameters())
+    torch.manual_seed(1)
+    (ref,) = torch.autograd.grad(reference(x).sum(), x)
+    assert torch.equal(got, ref)
+
+
+def test_backward_inputs_only_fills_requested() -> None:
+    model = mlp(dropout=0.0)
+    x = torch.randn(6, 8, requires_grad=True)
+    checkpoint(model, x).sum().backward(inputs=[model[0].weight])
+    assert x.grad is None
+    assert model[0].weight.grad is not None
+    assert model[-1].weight.grad is None
+
+
+def test_parameters_get_grads_without_input_grad() -> None:
+    model = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    checkpoint(lambda t: model(t).tanh(), x).sum().backward()
+    assert model.weight.grad is not None
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(model.state_dict())
+    ref(x).tanh().sum().backward()
+    assert torch.equal(model.weight.grad, ref.weight.grad)
+
+
+def test_detached_and_no_grad_inside() -> None:
+    w = nn.Parameter(torch.randn(4))
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            scale = x.abs().max()
+        d = x.detach() * 3
+        return (x * w).sin() * scale + d, d
+
+    x = torch.randn(4, requires_grad=True)
+    y, d = checkpoint(f, x)
+    assert not d.requires_grad
+    y.sum().backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    y, _ = f(x)
+    y.sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
+
+
+Pair = namedtuple("Pair", "a b")
+
+
+def test_kwargs_containers_and_non_tensors() -> None:
+    lin = nn.Linear(3, 3)
+
+    def f(
+        pair: Pair, items: list[torch.Tensor], *, scale: float, table: dict, tag: str
+    ) -> dict:
+        out = lin(pair.a) * scale + items[0] * table["w"]
+        return {"out": out, "both": (out, pair.b * 2), "tag": tag, "n": 3, "none": None}
+
+    def inputs() -> tuple:
+        torch.manual_seed(3)
+        a = torch.randn(2, 3, requires_grad=True)
+        b = torch.randn(2, 3, requires_grad=True)
+        c = torch.randn(2, 3, requires_grad=True)
+        w = torch.randn(3, requires_grad=True)
+        return a, b, c, w
+
+    results = []
+    for use in (False, True):
+        a, b, c, w = inputs()
+        lin.zero_grad(set_to_none=True)
+        call = (lambda *a, **k: checkpoint(f, *a, **k)) if use else f
+        out = call(Pair(a, b), [c], scale=0.5, table={"w": w}, tag="x")
+        assert out["tag"] == "x" and out["n"] == 3 and out["none"] is None
+        (out["out"].sum() + out["both"][1].sum()).backward()
+        results.append([a.grad, b.grad, c.grad, w.grad, lin.weight.grad])
+    for got, ref in zip(results[1], results[0], strict=False):
+        assert torch.equal(got, ref)
+
+
+def test_nested_checkpoints_match_and_recompute_inner() -> None:
+    inner = Counting(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+    outer_tail = nn.Linear(8, 8)
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.tail = inner, outer_tail
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.tail(checkpoint(self.inner, x)).relu()
+
+    model = Outer()
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
+    inner.calls = 0
+    checkpoint(model, x).sum().backward()
+    # forward, outer recompute, inner recompute
+    assert inner.calls == 3
+
+
+def test_double_backward() -> None:
+    torch.manual_seed(0)
+    f = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1), nn.Sigmoid())
+    x = torch.randn(3, 5, requires_grad=True)
+
+    def hessian_vector(use: bool) -> tuple[torch.Tensor, ...]:
+        y = checkpoint(f, x) if use else f(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return torch.autograd.grad(g.pow(2).sum(), [x, f[0].weight])
+
+    for got, ref in zip(hessian_vector(True), hessian_vector(False), strict=False):
+        assert torch.equal(got, ref)
+
+
+def test_retain_graph_allows_second_backward() -> None:
+    block = Counting(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(block, x)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * first)
+    assert block.calls == 3
+
+
+def test_second_backward_without_retain_graph_raises() -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(nn.Linear(4, 4), x).exp().sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward()
+
+
+# ------------------------------------------------------------- RNG, autocast
+
+
+def test_dropout_and_caller_rng() -> None:
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout()
+    )
+    x = torch.randn(16, 8, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
+
+
+def test_without_preserve_rng_state_dropout_differs() -> None:
+    """Shows the flag matters: without it, the recompute draws another mask."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    torch.manual_seed(0)
+    checkpoint(model, x, preserve_rng_state=False).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(0)
+    model(x).sum().backward()
+    assert not torch.equal(got, x.grad)
+
+
+def test_autocast_replayed_in_recompute() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def under_autocast(m: nn.Module, x: torch.Tensor, use: bool) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return checkpoint(m, x) if use else m(x)
+
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, x: under_autocast(m, x, True),
+        plain=lambda m, x: under_autocast(m, x, False),
+    )
+
+
+def test_default_device_context_replayed() -> None:
+    seen: list[torch.device] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_default_device())
+        return x * torch.ones(x.shape)
+
+    x = torch.randn(3, device="meta", requires_grad=True)
+    with torch.device("meta"):
+        y = checkpoint(f, x)
+    y.sum().backward()
+    assert [d.type for d in seen] == ["meta", "meta"]
+    assert x.grad is not None and x.grad.device.type == "meta"
+
+
+# ------------------------------------------------------------ determinism
+
+
+class Flip(nn.Module):
+    """Computes something else after ``flip`` is set: a recompute that differs."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode, self.flip = mode, False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.flip:
+            return x.exp().sum(0)
+        if self.mode == "shape":
+            return x[:1].exp().sum(0)
+        if self.mode == "dtype":
+            return x.double().exp().float().sum(0)
+        if self.mode == "count":
+            return x.exp().sin().sum(0)
+        return (x + 1e-3).exp().sum(0)  # same metadata, other values
+
+
+@pytest.mark.parametrize(
+    ("mode", "match"),
+    [("shape", "shape"), ("dtype", "float64"), ("count", "saved 2 tensors")],
+)
+def test_default_check_catches_metadata_changes(mode: str, match: str) -> None:
+    f = Flip(mode)
+    y = checkpoint(f, torch.randn(3, 2, requires_grad=True))
+    f.flip = True
+    with pytest.raises(CheckpointError, match=match) as info:
+        y.sum().backward()
+    assert str(info.value).startswith("seqckpt:")
+    assert "Flip" in str(info.value)
+
+
+def test_values_check_catches_value_drift() -> None:
+    f = Flip("values")
+    x = torch.randn(3, 2, requires_grad=True)
+    y = checkpoint(f, x)  # default check: drift goes unseen
+    f.flip = True
+    y.sum().backward()
+    f.flip = False
+    y = checkpoint(f, x, determinism_check="values")
+    f.flip = True
+    with pytest.raises(CheckpointError, match="other values"):
+        y.sum().backward()
+
+
+def test_values_check_passes_on_deterministic_function() -> None:
+    x = torch.randn(6, 8, requires_grad=True)
+    assert_matches_plain(
+        mlp(), x, lambda m, x: checkpoint(m, x, determinism_check="values")
+    )
+
+
+def test_none_check_still_counts() -> None:
+    f = Flip("count")
+    y = checkpoint(f, torch.randn(3, 2, requires_grad=True), determinism_check="none")
+    f.flip = True
+    with pytest.raises(CheckpointError, match="saved 2 tensors"):
+        y.sum().backward()
+
+
+def test_input_modified_in_place_after_call_raises() -> None:
+    x = torch.randn(3, requires_grad=True)
+    h = x * 1
+    y = checkpoint(torch.exp, h)
+    h.add_(1)
+    with pytest.raises(CheckpointError, match="modified in place"):
+        y.sum().backward()
+
+
+# ------------------------------------------------------------------ flags
+
+
+def test_flags_in_forward_and_recompute() -> None:
+    seen: list[tuple[bool, bool]] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append((seqckpt.is_checkpointing(), seqckpt.is_recomputing()))
+        return x.exp()
+
+    assert not seqckpt.is_checkpointing() and not seqckpt.is_recomputing()
+    checkpoint(f, torch.randn(2, requires_grad=True)).sum().backward()
+    assert seen == [(True, False), (False, True)]
+    assert not seqckpt.is_checkpointing() and not seqckpt.is_recomputing()
+
+
+def test_flags_are_thread_local() -> None:
+    other: list[bool] = []
+    started, release = threading.Event(), threading.Event()
+
+    def watcher() -> None:
+        started.wait()
+        other.append(seqckpt.is_checkpointing())
+        release.set()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        started.set()
+        release.wait(5)
+        return x.exp()
+
+    t = threading.Thread(target=watcher)
+    t.start()
+    checkpoint(f, torch.randn(2, requires_grad=True))
+    t.join(5)
+    assert other == [False]
+
+
+def test_flags_restored_after_exception() -> None:
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("inside")
+
+    with pytest.raises(KeyError, match="inside"):
+        checkpoint(boom, torch.randn(2, requires_grad=True))
+    assert not seqckpt.is_checkpointing()
+
+    state = {"fail": False}
+
+    def fails_in_recompute(x: torch.Tensor) -> torch.Tensor:
+        if state["fail"]:
+            raise KeyError("recompute")
+        return x.exp()
+
+    y = checkpoint(fails_in_recompute, torch.randn(2, requires_grad=True))
+    rng = torch.get_rng_state()
+    state["fail"] = True
+    with pytest.raises(KeyError, match="recompute"):
+        y.sum().backward()
+    assert not seqckpt.is_recomputing()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.is_grad_enabled()
+
+
+# ------------------------------------------------------------ buffers, JIT
+
+
+class Counter(nn.Module):
+    """Updates a buffer and reads it: the recompute must see the first value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps += 1
+        return x * self.steps
+
+
+def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Counter(), nn.Tanh())
+    x = torch.randn(5, 4, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
+    # also when the module is reached through a closure
+    assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t: m(t), x))
+
+
+def scripted_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))),
+        nn.Tanh(),
+    )
+
+
+def test_torchscript_module_inside() -> None:
+    for _ in range(3):  # the profiling executor changes graphs over first calls
+        x = torch.randn(4, 8, requires_grad=True)
+        assert_matches_plain(scripted_model, x, lambda m, x: checkpoint(m, x))
+
+
+def test_torchscript_module_is_the_region() -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(make, x, lambda m, x: checkpoint(m, x))
+
+
+# ------------------------------------------------------ no_grad, lifetime
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+def test_plain_call_without_grad(context: type) -> None:
+    inside: list[object] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        inside.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        inside.append(seqckpt.is_checkpointing())
+        return x * 2
+
+    with context():
+        y = checkpoint(f, torch.randn(2, requires_grad=True))
+    assert inside == [None, False]
+    assert y.grad_fn is None
+
+
+def test_graph_freed_by_reference_counting() -> None:
+    gc.disable()
+    try:
+        model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        x = torch.randn(4, 8, requires_grad=True)
+        h = x * 2
+        ref_h = weakref.ref(h)
+        y = checkpoint(model, h)
+        ref_y = weakref.ref(y)
+        y.sum().backward()
+        del h, y
+        assert ref_h() is None and ref_y() is None
+        # without backward too
+        h = x * 2
+        ref_h = weakref.ref(h)
+        y = checkpoint(model, h)
+        del h, y
+        assert ref_h() is None
+    finally:
+        gc.enable()
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_error_non_callable() -> None:
+    with pytest.raises(TypeError, match=r"^seqckpt: argument 'function'.*42"):
+        checkpoint(42, torch.randn(2))
+
+
+def test_error_unknown_determinism_check() -> None:
+    with pytest.raises(ValueError, match=r"^seqckpt: .*determinism_check.*'strict'"):
+        checkpoint(torch.sin, torch.randn(2), determinism_check="strict")
+
+
+def test_error_preserve_rng_state_not_bool() -> None:
+    with pytest.raises(TypeError, match=r"^seqckpt: .*preserve_rng_state.*'yes'"):
+        checkpoint(torch.sin, torch.randn(2), preserve_rng_state="yes")
+
+
+# -------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.cuda
+def test_cuda_dropout_rng_and_autocast() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8)).cuda()
+    x = torch.randn(16, 8, device="cuda", requires_grad=True)
+
+    def step(use: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x.grad = None
+        torch.manual_seed(0)
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = checkpoint(model, x) if use else model(x)
+        y.float().sum().backward()
+        return x.grad.clone(), torch.cuda.get_rng_state()
+
+    got, ref = step(True), step(False)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.cuda
+def test_cuda_rng_of_device_used_with_cpu_inputs() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(x.shape, device="cuda")
+        return (x.cuda() * noise).sum()
+
+    x = torch.randn(100, requires_grad=True)
+    torch.cuda.init()
+    torch.manual_seed(0)
+    checkpoint(f, x).backward()
+    got = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(0)
+    f(x).backward()
+    assert torch.equal(got, x.grad)
