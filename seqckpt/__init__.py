@@ -10,11 +10,20 @@ Example:
 
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import CheckpointError, checkpoint
+from seqckpt.memory import MemoryStats, track_memory
+from seqckpt.plan import Plan, PlanError
+from seqckpt.sequential import CheckpointedSequential, checkpoint_sequential
 
 __all__ = [
     "CheckpointError",
+    "CheckpointedSequential",
+    "MemoryStats",
+    "Plan",
+    "PlanError",
     "checkpoint",
+    "checkpoint_sequential",
     "is_checkpointing",
     "is_recomputing",
+    "track_memory",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,264 @@
+"""The plan: a tree saying, for each layer of a chain, whether its activations are
+kept or recomputed, and how a recomputed stretch is itself run when recomputed.
+
+Every schedule is a plan: ``k`` uniform segments, explicit segment sizes, the
+planner's optimum. One executor (:func:`seqckpt.sequential.run_plan`) runs them all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+class PlanError(ValueError):
+    """A plan that cannot be built or does not fit the chain it is used with."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Layers ``start`` to ``stop - 1`` run plainly; autograd keeps their activations."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Layers ``start`` to ``stop - 1`` run as one checkpoint: forward keeps only
+    their input; backward runs them again following ``inner``, which may keep some
+    layers and checkpoint others (nested recomputation)."""
+
+    start: int
+    stop: int
+    inner: Plan
+
+
+Item = Run | Recompute
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A schedule for layers ``items[0].start`` to ``items[-1].stop - 1``.
+
+    Attributes:
+        items: contiguous :class:`Run` and :class:`Recompute` items.
+        predicted_peak_bytes: the planner's prediction, when it made the plan.
+        predicted_time: the planner's predicted step time in seconds, likewise.
+
+    Example:
+        >>> from seqckpt.plan import uniform_plan
+        >>> print(uniform_plan(5, 2))
+        Plan for layers 0-4
+          recompute 0-2
+            keep 0-2
+          keep 3-4
+    """
+
+    items: tuple[Item, ...]
+    predicted_peak_bytes: int | None = field(default=None, compare=False)
+    predicted_time: float | None = field(default=None, compare=False)
+
+    @property
+    def start(self) -> int:
+        return self.items[0].start
+
+    @property
+    def stop(self) -> int:
+        return self.items[-1].stop
+
+    def check(self, n: int) -> None:
+        """Raise :class:`PlanError` unless the plan covers layers 0..n-1 exactly."""
+        if self.start != 0 or self.stop != n:
+            raise PlanError(
+                f"seqckpt: segments plan covers layers {self.start}-{self.stop - 1}, "
+                f"but the chain has {n} modules (0-{n - 1}); make the plan for this "
+                "chain."
+            )
+        self._check_contiguous()
+
+    def _check_contiguous(self) -> None:
+        if not self.items:
+            raise PlanError("seqckpt: segments plan has no items.")
+        at = self.items[0].start
+        for item in self.items:
+            if item.start != at or item.stop <= item.start:
+                raise PlanError(
+                    f"seqckpt: segments plan item {item.start}-{item.stop - 1} does "
+                    f"not continue at layer {at}; items must be contiguous and "
+                    "non-empty."
+                )
+            if isinstance(item, Recompute):
+                if (item.inner.start, item.inner.stop) != (item.start, item.stop):
+                    raise PlanError(
+                        f"seqckpt: segments plan: the inner plan of recompute "
+                        f"{item.start}-{item.stop - 1} covers "
+                        f"{item.inner.start}-{item.inner.stop - 1}."
+                    )
+                item.inner._check_contiguous()
+            at = item.stop
+
+    # ------------------------------------------------------------- display
+
+    def __str__(self) -> str:
+        head = f"Plan for layers {self.start}-{self.stop - 1}"
+        notes = []
+        if self.predicted_peak_bytes is not None:
+            notes.append(f"predicted peak {self.predicted_peak_bytes / 2**20:.2f} MiB")
+        if self.predicted_time is not None:
+            notes.append(f"predicted step {self.predicted_time * 1e3:.3f} ms")
+        if notes:
+            head += " (" + ", ".join(notes) + ")"
+        return "\n".join([head, *self._lines(1)])
+
+    def _lines(self, depth: int) -> list[str]:
+        pad = "  " * depth
+        lines = []
+        for item in self.items:
+            span = f"{item.start}-{item.stop - 1}"
+            if isinstance(item, Run):
+                lines.append(f"{pad}keep {span}")
+            else:
+                lines.append(f"{pad}recompute {span}")
+                lines.extend(item.inner._lines(depth + 1))
+        return lines
+
+    def checkpoints(self) -> int:
+        """How many checkpointed regions the plan runs, nested ones included."""
+        return sum(
+            1 + i.inner.checkpoints() for i in self.items if isinstance(i, Recompute)
+        )
+
+    # ---------------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "seqckpt.plan/1",
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_time": self.predicted_time,
+            "items": _items_to_json(self.items),
+        }
+
+    def to_json(self) -> str:
+        """The plan as JSON text; :meth:`from_json` reads it back."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """Read a plan written by :meth:`to_json`; malformed text raises PlanError."""
+        try:
+            data = json.loads(text)
+            if data.get("format") != "seqckpt.plan/1":
+                raise PlanError(
+                    f"seqckpt: plan JSON has format {data.get('format')!r}, "
+                    "expected 'seqckpt.plan/1'."
+                )
+            plan = Plan(
+                _items_from_json(data["items"]),
+                _opt(data.get("predicted_peak_bytes"), int),
+                _opt(data.get("predicted_time"), float),
+            )
+        except PlanError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise PlanError(f"seqckpt: malformed plan JSON: {error}") from error
+        plan._check_contiguous()
+        return plan
+
+
+def _opt(value: Any, kind: type) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PlanError(f"seqckpt: plan JSON has a non-number prediction {value!r}.")
+    return kind(value)
+
+
+def _items_to_json(items: tuple[Item, ...]) -> list[Any]:
+    out: list[Any] = []
+    for item in items:
+        if isinstance(item, Run):
+            out.append({"keep": [item.start, item.stop]})
+        else:
+            out.append(
+                {
+                    "recompute": [item.start, item.stop],
+                    "inner": _items_to_json(item.inner.items),
+                }
+            )
+    return out
+
+
+def _span(value: Any) -> tuple[int, int]:
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise PlanError(f"seqckpt: plan JSON has a bad layer span {value!r}.")
+    return value[0], value[1]
+
+
+def _items_from_json(data: Any) -> tuple[Item, ...]:
+    if not isinstance(data, list) or not data:
+        raise PlanError(f"seqckpt: plan JSON items must be a non-empty list: {data!r}")
+    items: list[Item] = []
+    for entry in data:
+        if not isinstance(entry, dict):
+            raise PlanError(f"seqckpt: plan JSON item is not an object: {entry!r}")
+        if "keep" in entry:
+            items.append(Run(*_span(entry["keep"])))
+        elif "recompute" in entry:
+            start, stop = _span(entry["recompute"])
+            items.append(Recompute(start, stop, Plan(_items_from_json(entry["inner"]))))
+        else:
+            raise PlanError(f"seqckpt: plan JSON item has no keep/recompute: {entry!r}")
+    return tuple(items)
+
+
+# ------------------------------------------------------------------ builders
+
+
+def plan_from_sizes(sizes: list[int] | tuple[int, ...]) -> Plan:
+    """All segments but the last checkpointed, of the given sizes.
+
+    Example:
+        >>> print(plan_from_sizes([2, 1]))
+        Plan for layers 0-2
+          recompute 0-1
+            keep 0-1
+          keep 2-2
+    """
+    items: list[Item] = []
+    at = 0
+    for i, size in enumerate(sizes):
+        stop = at + size
+        if i == len(sizes) - 1:
+            items.append(Run(at, stop))
+        else:
+            items.append(Recompute(at, stop, Plan((Run(at, stop),))))
+        at = stop
+    return Plan(tuple(items))
+
+
+def balanced_sizes(n: int, k: int) -> list[int]:
+    """``k`` contiguous sizes summing to ``n`` that differ by at most one; the
+    larger ones come first, so the plain last segment is never the largest."""
+    base, extra = divmod(n, k)
+    return [base + 1] * extra + [base] * (k - extra)
+
+
+def uniform_plan(n: int, k: int) -> Plan:
+    """``n`` layers in ``k`` balanced segments, all but the last checkpointed."""
+    return plan_from_sizes(balanced_sizes(n, k))
+
+
+def default_segments(n: int) -> int:
+    """The classic choice without a profile: about sqrt(n) segments."""
+    return max(1, min(n, round(math.sqrt(n))))
+
+
+def with_predictions(plan: Plan, peak: int, time: float) -> Plan:
+    return replace(plan, predicted_peak_bytes=peak, predicted_time=time)

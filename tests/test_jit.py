@@ -1,0 +1,123 @@
+"""JIT-friendliness: torch.compile(fullgraph=True), TorchScript children and
+torch.export. Compiling takes tens of seconds on 2 cores, so these are few."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from seqckpt import CheckpointedSequential, checkpoint_sequential
+from tests.oracle import assert_matches_plain
+
+
+def tanh_chain(n: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(n)]
+    )
+
+
+def recording_backend(graphs: dict[str, list[torch.fx.GraphModule]]) -> Any:
+    """An AOTAutograd backend that keeps the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(kind: str) -> Any:
+        def compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+            graphs[kind].append(gm)
+            return gm.forward
+
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+
+
+def count(gm: torch.fx.GraphModule, op: Any) -> int:
+    return sum(1 for node in gm.graph.nodes if node.target == op)
+
+
+@pytest.mark.slow
+def test_compiled_checkpoint_sequential_recomputes() -> None:
+    """fullgraph=True compiles without graph breaks, gradients equal eager, and
+    the backward graph recomputes the checkpointed tanh layers instead of keeping
+    their outputs (the plain compiled backward contains no forward tanh)."""
+    model = tanh_chain()
+    x = torch.randn(4, 16, requires_grad=True)
+    runs = {}
+    for name, fn in {
+        "checkpointed": lambda t: checkpoint_sequential(model, 3, t),
+        "plain": lambda t: model(t),
+    }.items():
+        graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend=recording_backend(graphs))
+        model.zero_grad()
+        x.grad = None
+        compiled(x).sum().backward()
+        runs[name] = (
+            graphs,
+            x.grad.clone(),
+            [p.grad.clone() for p in model.parameters()],
+        )
+    model.zero_grad()
+    x.grad = None
+    checkpoint_sequential(model, 3, x).sum().backward()
+    graphs, gx, gp = runs["checkpointed"]
+    assert torch.allclose(gx, x.grad, atol=1e-5)
+    assert all(
+        torch.allclose(a, p.grad, atol=1e-5)
+        for a, p in zip(gp, model.parameters(), strict=False)
+    )
+    tanh = torch.ops.aten.tanh.default
+    # segments of sizes 2, 2, 2: tanh layers of the first two are recomputed in
+    # backward (a segment's output is the next one's saved input, so the
+    # partitioner may keep that one)
+    assert count(graphs["backward"][0], tanh) >= 2
+    assert count(runs["plain"][0]["backward"][0], tanh) == 0
+    saved = len(graphs["forward"][0].graph.find_nodes(op="output")[0].args[0])
+    saved_plain = len(
+        runs["plain"][0]["forward"][0].graph.find_nodes(op="output")[0].args[0]
+    )
+    assert saved < saved_plain
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_sequential_module_inductor() -> None:
+    model = tanh_chain()
+    ckpt = CheckpointedSequential.from_sequential(model, segments=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(ckpt, fullgraph=True)
+    compiled(x).sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    x.grad = None
+    model(x).sum().backward()
+    ref = [x.grad] + [p.grad for p in model.parameters()]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, ref, strict=False))
+
+
+def test_torchscript_children_bitwise() -> None:
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.GELU())),
+            nn.BatchNorm1d(8),
+            torch.jit.script(nn.Linear(8, 8)),
+            nn.Tanh(),
+            torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.2))),
+        )
+
+    for k in (1, 2, 3):
+        x = torch.randn(5, 8, requires_grad=True)
+        assert_matches_plain(make, x, lambda m, x: checkpoint_sequential(m, k, x))
+
+
+def test_export_in_eval_mode() -> None:
+    model = CheckpointedSequential(*tanh_chain(), segments=3).eval()
+    x = torch.randn(4, 16)
+    exported = torch.export.export(model, (x,))
+    assert torch.equal(exported.module()(x), model(x))
+    assert list(exported.state_dict) == list(model.state_dict())
