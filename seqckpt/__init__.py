@@ -13,6 +13,7 @@ from seqckpt.checkpoint import CheckpointError, checkpoint
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.plan import Plan, PlanError
 from seqckpt.sequential import CheckpointedSequential, checkpoint_sequential
+from seqckpt.validation import validate
 
 __all__ = [
     "CheckpointError",
@@ -25,5 +26,6 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "track_memory",
+    "validate",
 ]
 __version__ = "0.1.0"

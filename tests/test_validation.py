@@ -1,0 +1,91 @@
+"""seqckpt.validate and the `python -m seqckpt` command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import seqckpt
+from seqckpt.__main__ import main
+
+
+def test_validate_rows_on_cpu() -> None:
+    rows = seqckpt.validate("all", device="cpu")
+    assert [r["model"] for r in rows] == ["mlp", "resnet", "transformer"]
+    for row in rows:
+        assert row["bitwise_equal"] and row["ok"], row
+        assert row["max_abs_grad_diff"] == 0.0
+        assert row["peak_mib_checkpointed"] < row["peak_mib_plain"]
+        assert row["reduction_pct"] > 0
+        assert row["time_ratio"] > 0
+
+
+def test_validate_detects_differing_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: break the checkpointed run's dropout replay."""
+    import seqckpt.validation as v
+
+    real = v.checkpoint_sequential
+
+    def no_rng(m, k, x):  # type: ignore[no-untyped-def]
+        return real(m, k, x, preserve_rng_state=False)
+
+    monkeypatch.setattr(v, "checkpoint_sequential", no_rng)
+    (row,) = seqckpt.validate("mlp", device="cpu")
+    assert not row["ok"] and not row["bitwise_equal"]
+    assert "gradients differ" in row["reason"]
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", "--model", "mlp", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0]["model"] == "mlp" and rows[0]["ok"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "pattern"),
+    [
+        (["validate", "--model", "vgg"], "unknown --model 'vgg'"),
+        (["validate", "--segments", "0"], "--segments must be between 1 and"),
+        (["validate", "--segments", "99"], "got 99"),
+        (["validate", "--batch", "0"], "--batch must be at least 1"),
+        (["validate", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["validate", "--nope"], "unrecognized arguments: --nope"),
+    ],
+)
+def test_cli_bad_arguments(
+    argv: list[str], pattern: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        code = main(argv)
+        raise SystemExit(code)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("seqckpt: ") and pattern in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
+def test_cli_cuda_without_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["validate", "--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_python_dash_m_default_run() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "seqckpt"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "bitwise equal" in done.stdout and "OK" in done.stdout
+    assert "validating" in done.stderr
+
+
+@pytest.mark.cuda
+def test_validate_on_cuda() -> None:
+    rows = seqckpt.validate("all", device="cuda")
+    assert all(r["ok"] for r in rows), rows
