@@ -31,9 +31,9 @@ def _depth(name: str) -> int:
 def is_checkpointing() -> bool:
     """Tell whether the calling code runs inside the first forward of a checkpoint.
 
-    Thread-local and nest-safe: it is ``True`` anywhere inside the function given to
-    :func:`seqckpt.checkpoint` during its forward pass (also when that checkpoint is
-    itself being recomputed), and ``False`` elsewhere.
+    Thread-local and nest-safe: ``True`` inside the first run of a checkpointed
+    function (also the first run of an inner checkpoint while an outer one is
+    being recomputed); ``False`` in a recompute of the function and elsewhere.
 
     Example:
         >>> import torch, seqckpt

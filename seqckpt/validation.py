@@ -3,7 +3,7 @@ report whether gradients match, how much peak memory dropped and what it cost.
 
 Example:
     >>> import seqckpt
-    >>> rows = seqckpt.validate("mlp", device="cpu", batch=8)
+    >>> rows = seqckpt.validate("mlp", device="cpu")
     >>> rows[0]["bitwise_equal"], rows[0]["ok"]
     (True, True)
 """
