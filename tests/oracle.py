@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqckpt._tree import tensors_in
+from seqckpt._tree import replace_tensors, tensors_in
 
 
 def _grads_of(inputs: Any) -> list[torch.Tensor | None]:
@@ -20,20 +20,13 @@ def _grads_of(inputs: Any) -> list[torch.Tensor | None]:
 
 def _fresh(inputs: Any) -> Any:
     """A copy of ``inputs`` whose leaf tensors have no grad yet."""
-
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            return o.detach().clone().requires_grad_(o.requires_grad)
-        if isinstance(o, tuple):
-            items = [walk(i) for i in o]
-            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
-        if isinstance(o, list):
-            return [walk(i) for i in o]
-        if isinstance(o, dict):
-            return {k: walk(v) for k, v in o.items()}
-        return o
-
-    return walk(inputs)
+    return replace_tensors(
+        inputs,
+        [
+            t.detach().clone().requires_grad_(t.requires_grad)
+            for t in tensors_in(inputs)
+        ],
+    )
 
 
 def _loss(output: Any) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -258,7 +258,3 @@ def uniform_plan(n: int, k: int) -> Plan:
 def default_segments(n: int) -> int:
     """The classic choice without a profile: about sqrt(n) segments."""
     return max(1, min(n, round(math.sqrt(n))))
-
-
-def with_predictions(plan: Plan, peak: int, time: float) -> Plan:
-    return replace(plan, predicted_peak_bytes=peak, predicted_time=time)
