@@ -11,7 +11,7 @@ Example:
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import CheckpointError, checkpoint
 from seqckpt.memory import MemoryStats, track_memory
-from seqckpt.plan import Plan, PlanError
+from seqckpt.planner import Plan, PlanError, plan, profile
 from seqckpt.sequential import CheckpointedSequential, checkpoint_sequential
 from seqckpt.validation import validate
 
@@ -25,6 +25,8 @@ __all__ = [
     "checkpoint_sequential",
     "is_checkpointing",
     "is_recomputing",
+    "plan",
+    "profile",
     "track_memory",
     "validate",
 ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,10 +42,65 @@ class MemoryStats:
     baseline_bytes: int = 0
     peak_bytes: int = 0
     end_bytes: int = 0
+    _meter: _Meter | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak_mib(self) -> float:
         return self.peak_bytes / 2**20
+
+    def live_bytes(self) -> int:
+        """Inside the block: bytes allocated by it so far and still alive."""
+        return self._active().live()
+
+    def peak_so_far(self) -> int:
+        """Inside the block: the peak since it began or since :meth:`reset_peak`."""
+        return self._active().peak()
+
+    def reset_peak(self) -> None:
+        """Inside the block: start the peak again from what is alive now, e.g. to
+        measure a backward apart from its forward. ``peak_bytes`` at the end is
+        the peak since the last reset."""
+        self._active().reset_peak()
+
+    def _active(self) -> _Meter:
+        if self._meter is None:
+            raise RuntimeError(
+                "seqckpt: MemoryStats.live_bytes/peak_so_far/reset_peak work only "
+                "inside its track_memory block."
+            )
+        return self._meter
+
+
+class _Meter:
+    """Live and peak bytes above a baseline, for one device."""
+
+    def live(self) -> int:
+        raise NotImplementedError
+
+    def peak(self) -> int:
+        raise NotImplementedError
+
+    def reset_peak(self) -> None:
+        raise NotImplementedError
+
+
+class _CudaMeter(_Meter):
+    def __init__(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+        self.device = device
+        self.baseline = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def live(self) -> int:
+        return torch.cuda.memory_allocated(self.device) - self.baseline
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.baseline
+
+    def reset_peak(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
 
 
 class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
@@ -53,13 +108,13 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.live = 0
-        self.peak = 0
+        self.live_now = 0
+        self.peak_now = 0
         self.seen: dict[int, int] = {}
 
     def _forget(self, key: int, nbytes: int) -> None:
         if self.seen.pop(key, None) is not None:
-            self.live -= nbytes
+            self.live_now -= nbytes
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -83,10 +138,24 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
                 continue
             nbytes = storage.nbytes()
             self.seen[key] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            self.live_now += nbytes
+            self.peak_now = max(self.peak_now, self.live_now)
             weakref.finalize(storage, self._forget, key, nbytes)
         return out
+
+
+class _CpuMeter(_Meter):
+    def __init__(self, mode: _LiveStorages) -> None:
+        self.mode = mode
+
+    def live(self) -> int:
+        return self.mode.live_now
+
+    def peak(self) -> int:
+        return self.mode.peak_now
+
+    def reset_peak(self) -> None:
+        self.mode.peak_now = self.mode.live_now
 
 
 @contextmanager
@@ -108,27 +177,20 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryStats]:
         4096
     """
     dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        baseline = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        stats = MemoryStats(dev, baseline_bytes=baseline)
-        try:
-            yield stats
-        finally:
-            torch.cuda.synchronize(dev)
-            stats.peak_bytes = torch.cuda.max_memory_allocated(dev) - baseline
-            stats.end_bytes = torch.cuda.memory_allocated(dev) - baseline
-        return
-    if dev.type != "cpu":
+    if dev.type not in ("cpu", "cuda"):
         raise ValueError(
             f"seqckpt: track_memory() measures 'cpu' or 'cuda', got device={device!r}."
         )
-    stats = MemoryStats(dev)
-    mode = _LiveStorages()
+    mode = _LiveStorages() if dev.type == "cpu" else None
+    meter: _Meter = _CpuMeter(mode) if mode is not None else _CudaMeter(dev)
+    stats = MemoryStats(dev, baseline_bytes=getattr(meter, "baseline", 0), _meter=meter)
     try:
-        with mode:
+        if mode is None:
             yield stats
+        else:
+            with mode:
+                yield stats
     finally:
-        stats.peak_bytes = mode.peak
-        stats.end_bytes = mode.live
+        stats.peak_bytes = meter.peak()
+        stats.end_bytes = meter.live()
+        stats._meter = None

@@ -1,7 +1,7 @@
 """Checkpointing a chain: the plan executor, :func:`checkpoint_sequential` and the
 drop-in :class:`CheckpointedSequential`.
 
-``segments`` in every form (a count, a list of sizes, a :class:`~seqckpt.plan.Plan`)
+``segments`` in every form (a count, a list of sizes, a :class:`~seqckpt.planner.Plan`)
 becomes a plan in :func:`resolve_plan`, and :func:`run_plan` runs any plan with the
 one primitive. No strategy is special-cased in the executor.
 """
@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from seqckpt.checkpoint import DeterminismCheck, _check_arguments, run_region
-from seqckpt.plan.tree import (
+from seqckpt.planner.budget import parse_budget
+from seqckpt.planner.planning import auto_plan
+from seqckpt.planner.tree import (
     Plan,
     PlanError,
     Run,
@@ -28,7 +30,7 @@ from seqckpt.plan.tree import (
 
 __all__ = ["CheckpointedSequential", "checkpoint_sequential", "run_plan"]
 
-Segments = int | Sequence[int] | Plan
+Segments = int | Sequence[int] | Plan | str
 Chain = nn.Sequential | nn.ModuleList | Sequence[Callable[[Any], Any]]
 
 
@@ -65,10 +67,10 @@ def resolve_plan(segments: object, n: int) -> Plan:
                 str(error).replace("segments plan", "segments=plan")
             ) from None
         return segments
-    if isinstance(segments, (bool, float)):
+    if isinstance(segments, (bool, float, str)):
         raise TypeError(
-            f"seqckpt: segments must be an int, a list of segment sizes or a Plan, "
-            f"got {segments!r} ({type(segments).__name__})."
+            "seqckpt: segments must be an int, a list of segment sizes, a Plan or "
+            f"'auto', got {segments!r} ({type(segments).__name__})."
         )
     if isinstance(segments, int):
         if not 1 <= segments <= n:
@@ -93,9 +95,28 @@ def resolve_plan(segments: object, n: int) -> Plan:
             )
         return plan_from_sizes(list(segments))
     raise TypeError(
-        "seqckpt: segments must be an int, a list of segment sizes or a Plan, "
-        f"got {segments!r} ({type(segments).__name__})."
+        "seqckpt: segments must be an int, a list of segment sizes, a Plan or "
+        f"'auto', got {segments!r} ({type(segments).__name__})."
     )
+
+
+def plan_for(
+    segments: object,
+    chain: Sequence[Callable[[Any], Any]],
+    input: Any,
+    memory_budget: int | str | None,
+) -> Plan:
+    """The plan for ``segments`` in any accepted form; ``"auto"`` asks the planner
+    (see :func:`seqckpt.planner.planning.auto_plan`)."""
+    if segments == "auto":
+        return auto_plan(chain, input, memory_budget)
+    if memory_budget is not None:
+        raise ValueError(
+            f"seqckpt: memory_budget={memory_budget!r} is only used with "
+            f"segments='auto', got segments={segments!r}; pass segments='auto' or "
+            "plan with seqckpt.plan(..., memory_budget=...)."
+        )
+    return resolve_plan(segments, len(chain))
 
 
 def run_plan(
@@ -107,8 +128,8 @@ def run_plan(
 ) -> Any:
     """Run ``modules`` on ``input`` following ``plan``: the one executor.
 
-    A :class:`~seqckpt.plan.Run` item calls its modules in turn; a
-    :class:`~seqckpt.plan.Recompute` item calls this function on its inner plan
+    A :class:`~seqckpt.planner.Run` item calls its modules in turn; a
+    :class:`~seqckpt.planner.Recompute` item calls this function on its inner plan
     inside :func:`seqckpt.checkpoint`, so nested plans nest checkpoints.
     """
     x = input
@@ -145,6 +166,7 @@ def checkpoint_sequential(
     *,
     preserve_rng_state: bool = True,
     determinism_check: DeterminismCheck = "default",
+    memory_budget: int | str | None = None,
 ) -> Any:
     """Run a chain of modules with all but its last segment checkpointed.
 
@@ -155,11 +177,16 @@ def checkpoint_sequential(
             segments whose sizes differ by at most one, larger ones first (torch
             puts the whole remainder in its last, plain segment); a list of
             segment sizes summing to the number of modules; or a
-            :class:`~seqckpt.plan.Plan`, e.g. from the planner.
+            :class:`~seqckpt.planner.Plan`, e.g. from :func:`seqckpt.plan`; or
+            ``"auto"``: the fastest plan that fits ``memory_budget`` (or, for
+            an input on CUDA, 90% of the device's free memory), planned on the
+            first call for this chain and input shape and then reused.
         input: passed to the first module, as ``nn.Sequential`` does; tuples and
             dicts flowing between stages are fine.
         preserve_rng_state: see :func:`seqckpt.checkpoint`.
         determinism_check: see :func:`seqckpt.checkpoint`.
+        memory_budget: with ``segments="auto"``: bytes, or a string such as
+            ``"512MiB"`` (see :func:`seqckpt.plan`).
 
     Returns:
         The output of the last module. Outputs, gradients and buffers are bitwise
@@ -179,12 +206,14 @@ def checkpoint_sequential(
         >>> y.sum().backward()
     """
     chain = as_chain(modules)
-    plan = resolve_plan(segments, len(chain))
     _check_arguments(run_plan, preserve_rng_state, determinism_check)
     if not torch.is_grad_enabled():
+        if segments != "auto":
+            resolve_plan(segments, len(chain))
         for module in chain:
             input = module(input)
         return input
+    plan = plan_for(segments, chain, input, memory_budget)
     return run_plan(plan, chain, input, preserve_rng_state, determinism_check)
 
 
@@ -215,12 +244,21 @@ class CheckpointedSequential(nn.Sequential):
         segments: Segments | None = None,
         preserve_rng_state: bool = True,
         determinism_check: DeterminismCheck = "default",
+        memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(*args)
         _check_arguments(run_plan, preserve_rng_state, determinism_check)
-        if segments is not None and len(self) > 0:
+        if memory_budget is not None:
+            parse_budget(memory_budget)
+            if segments != "auto":
+                raise ValueError(
+                    f"seqckpt: memory_budget={memory_budget!r} is only used with "
+                    f"segments='auto', got segments={segments!r}."
+                )
+        if segments is not None and segments != "auto" and len(self) > 0:
             resolve_plan(segments, len(self))  # fail early on a bad value
         self.segments = segments
+        self.memory_budget = memory_budget
         self.preserve_rng_state = preserve_rng_state
         self.determinism_check: DeterminismCheck = determinism_check
 
@@ -257,7 +295,7 @@ class CheckpointedSequential(nn.Sequential):
         segments = self.segments
         if segments is None:
             segments = default_segments(len(chain))
-        plan = resolve_plan(segments, len(chain))
+        plan = plan_for(segments, chain, input, self.memory_budget)
         return run_plan(
             plan, chain, input, self.preserve_rng_state, self.determinism_check
         )

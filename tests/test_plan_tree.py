@@ -6,8 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from seqckpt.plan import Plan, PlanError, Recompute, Run, balanced_sizes, uniform_plan
-from seqckpt.plan.tree import plan_from_sizes
+from seqckpt.planner import (
+    Plan,
+    PlanError,
+    Recompute,
+    Run,
+    balanced_sizes,
+    uniform_plan,
+)
+from seqckpt.planner.tree import plan_from_sizes
 
 
 @given(st.integers(1, 200), st.data())

@@ -12,7 +12,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
-from seqckpt.plan import Plan, PlanError, Recompute, Run
+from seqckpt.planner import Plan, PlanError, Recompute, Run
 from tests.oracle import assert_matches_plain
 
 

@@ -49,7 +49,7 @@ class Plan:
         predicted_time: the planner's predicted step time in seconds, likewise.
 
     Example:
-        >>> from seqckpt.plan import uniform_plan
+        >>> from seqckpt.planner import uniform_plan
         >>> print(uniform_plan(5, 2))
         Plan for layers 0-4
           recompute 0-2

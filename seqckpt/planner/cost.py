@@ -1,0 +1,116 @@
+"""The planner's cost model: how much time a plan takes and how much memory it
+needs at its peak, from a :class:`~seqckpt.planner.profile.ChainProfile`.
+
+Memory counts what the step allocates beyond the parameters, their gradients and
+the input batch: activations kept for backward, activation gradients and
+temporaries. A sub-chain ``i..l`` is always run with its input stored by the
+caller and the gradient of its output (``a[l+1]`` bytes) counted as live.
+
+- keep layer ``i``, then the rest: the forward of ``i`` (gradient of the output
+  live), the rest with layer ``i``'s saved bytes held, the backward of ``i``
+  (output gradient included in its backward peak);
+- recompute ``i..j-1``, then the rest: a forward of ``i..j-1`` that keeps
+  nothing, the rest with ``x_j`` held, then the inner plan of ``i..j-1`` with
+  the gradient of ``x_j`` live.
+
+The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seqckpt.planner.profile import ChainProfile
+from seqckpt.planner.tree import Item, Plan, Recompute
+
+__all__ = ["CostModel", "plan_cost"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-layer figures the model needs, as plain lists.
+
+    ``a[k]`` is the size of the input of layer ``k`` (``a[n]`` is the chain's
+    output); the others are indexed by layer.
+    """
+
+    a: list[int]
+    kept: list[int]
+    forward_peak: list[int]
+    nograd_peak: list[int]
+    backward_peak: list[int]
+    forward_time: list[float]
+    backward_time: list[float]
+
+    @staticmethod
+    def of(profile: ChainProfile) -> CostModel:
+        layers = profile.layers
+        return CostModel(
+            a=[layers[0].input_bytes] + [p.output_bytes for p in layers],
+            kept=[p.saved_bytes for p in layers],
+            forward_peak=[p.forward_peak_bytes for p in layers],
+            nograd_peak=[p.nograd_peak_bytes for p in layers],
+            backward_peak=[p.backward_peak_bytes for p in layers],
+            forward_time=[p.forward_time for p in layers],
+            backward_time=[p.backward_time for p in layers],
+        )
+
+    def __len__(self) -> int:
+        return len(self.kept)
+
+    def keep_alone(self, i: int, delta: int) -> int:
+        """Bytes to run layer ``i`` kept, apart from what the rest needs."""
+        return max(
+            delta + self.forward_peak[i],
+            self.kept[i] + self.backward_peak[i],
+        )
+
+    def nograd_forward(self, i: int, j: int, delta: int) -> int:
+        """Bytes to run layers ``i..j-1`` keeping nothing (input of ``i`` not
+        counted, its caller holds it)."""
+        peak = 0
+        for k in range(i, j):
+            peak = max(peak, (self.a[k] if k > i else 0) + self.nograd_peak[k])
+        return delta + peak
+
+    def cost(self, items: tuple[Item, ...], delta: int) -> tuple[int, float]:
+        """(peak bytes, seconds) of ``items`` with ``delta`` bytes of output
+        gradient live."""
+        need: int | None = None  # what the items after the current one need
+        seconds = 0.0
+        for item in reversed(items):
+            if isinstance(item, Recompute):
+                inner_need, inner_time = self.cost(item.inner.items, self.a[item.stop])
+                here = max(
+                    self.nograd_forward(item.start, item.stop, delta), inner_need
+                )
+                if need is not None:
+                    here = max(here, self.a[item.stop] + need)
+                need = here
+                seconds += sum(self.forward_time[item.start : item.stop]) + inner_time
+                continue
+            for i in reversed(range(item.start, item.stop)):
+                here = self.keep_alone(i, delta)
+                if need is not None:
+                    here = max(here, self.kept[i] + need)
+                need = here
+                seconds += self.forward_time[i] + self.backward_time[i]
+        assert need is not None
+        return need, seconds
+
+
+def plan_cost(plan: Plan, profile: ChainProfile) -> tuple[int, float]:
+    """Predicted (peak bytes, step seconds) of ``plan`` on the profiled chain.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> from seqckpt.planner import uniform_plan, plan_cost
+        >>> chain = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> prof = seqckpt.profile(chain, torch.randn(32, 64), repeats=1)
+        >>> keep_all, two = uniform_plan(4, 1), uniform_plan(4, 2)
+        >>> plan_cost(two, prof)[0] < plan_cost(keep_all, prof)[0]
+        True
+    """
+    plan.check(len(profile))
+    model = CostModel.of(profile)
+    return model.cost(plan.items, model.a[-1])

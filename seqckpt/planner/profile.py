@@ -1,0 +1,282 @@
+"""Profiling a chain for the planner: time and memory of each item, measured in a
+sandbox that leaves the user's model and RNG as they were.
+
+Example:
+    >>> import torch, seqckpt
+    >>> chain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    >>> prof = seqckpt.profile(chain, torch.randn(4, 8), repeats=1)
+    >>> len(prof), prof.layers[1].output_bytes
+    (2, 128)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqckpt._state import RngState, accelerator_devices
+from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.memory import track_memory
+
+__all__ = ["ChainProfile", "LayerProfile", "profile"]
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one item of the chain costs.
+
+    Attributes:
+        name: a short description of the item.
+        forward_time: median seconds of its forward with grad.
+        backward_time: median seconds of its backward.
+        input_bytes: bytes of the tensors it receives.
+        output_bytes: bytes of the tensors it returns.
+        saved_bytes: bytes autograd keeps after its forward with grad, output
+            included (its input, held by whoever made it, is not).
+        forward_peak_bytes: the most bytes its forward with grad allocates at once.
+        nograd_peak_bytes: the same for a forward that keeps nothing for backward.
+        backward_peak_bytes: the most bytes its backward holds at once beyond
+            what its forward saved: the output gradient, temporaries and the input
+            gradient (saved tensors freed on the way count against it).
+    """
+
+    name: str
+    forward_time: float
+    backward_time: float
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    forward_peak_bytes: int
+    nograd_peak_bytes: int
+    backward_peak_bytes: int
+
+
+@dataclass(frozen=True)
+class ChainProfile:
+    """The profile of every item of a chain, in order, on one device."""
+
+    layers: tuple[LayerProfile, ...]
+    device: str
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def table(self) -> str:
+        """The profile as an aligned text table, one row per item."""
+        head = ("#", "item", "fwd ms", "bwd ms", "in MiB", "out MiB", "saved MiB",
+                "fwd peak MiB", "bwd peak MiB")  # fmt: skip
+        rows = [head]
+        for i, p in enumerate(self.layers):
+            rows.append(
+                (
+                    str(i),
+                    p.name,
+                    f"{p.forward_time * 1e3:.3f}",
+                    f"{p.backward_time * 1e3:.3f}",
+                    f"{p.input_bytes / 2**20:.3f}",
+                    f"{p.output_bytes / 2**20:.3f}",
+                    f"{p.saved_bytes / 2**20:.3f}",
+                    f"{p.forward_peak_bytes / 2**20:.3f}",
+                    f"{p.backward_peak_bytes / 2**20:.3f}",
+                )
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
+        return "\n".join(
+            "  ".join(
+                v.rjust(w) if c != 1 else v.ljust(w)
+                for c, (v, w) in enumerate(zip(r, widths, strict=True))
+            )  # fmt: skip
+            for r in rows
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "layers": [asdict(p) for p in self.layers]}
+
+
+def _nbytes(obj: Any) -> int:
+    storages = {}
+    for t in tensors_in(obj):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _detached(obj: Any, requires_grad: Sequence[bool]) -> Any:
+    tensors = tensors_in(obj)
+    return replace_tensors(
+        obj,
+        [
+            t.detach().requires_grad_(flag)
+            for t, flag in zip(tensors, requires_grad, strict=True)
+        ],
+    )
+
+
+def _device(obj: Any, chain: Sequence[Callable[..., Any]]) -> torch.device:
+    for t in tensors_in(obj):
+        return t.device
+    for item in chain:
+        if isinstance(item, nn.Module):
+            for p in item.parameters():
+                return p.device
+    return torch.device("cpu")
+
+
+@contextmanager
+def sandbox(
+    chain: Sequence[Callable[..., Any]], devices: tuple[torch.device, ...]
+) -> Iterator[None]:
+    """Run the block, then put back every buffer, ``.grad``, training flag and the
+    global RNG state as they were. Parameters are not written by a forward and
+    backward, so they are left alone. Inside, parameter gradients are zero tensors
+    (as in a training loop that keeps them allocated)."""
+    modules = [m for m in chain if isinstance(m, nn.Module)]
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
+    saved_buffers = [b.detach().clone() for b in buffers]
+    saved_grads = [p.grad for p in params]
+    flags = [(sub, sub.training) for m in modules for sub in m.modules()]
+    rng = RngState.capture(devices)
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, saved_buffers, strict=True):
+                b.copy_(value)
+        for p, grad in zip(params, saved_grads, strict=True):
+            p.grad = grad
+        for sub, flag in flags:
+            sub.training = flag
+        rng.restore()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _OnesGrad(torch.autograd.Function):
+    """Identity whose backward makes the output gradient (ones) inside the engine,
+    so it is freed as soon as it is used, as it is in a real chain."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(grad, memory_format=torch.contiguous_format)
+
+
+def _backward(out: Any) -> None:
+    apply: Callable[[torch.Tensor], torch.Tensor] = _OnesGrad.apply  # type: ignore[assignment]
+    roots = [apply(t).sum() for t in tensors_in(out) if t.requires_grad]
+    if roots:
+        torch.autograd.backward(roots)
+
+
+def _clear_input_grads(x: Any) -> None:
+    for t in tensors_in(x):
+        t.grad = None
+
+
+def _profile_item(
+    item: Callable[..., Any], x: Any, device: torch.device, repeats: int
+) -> tuple[LayerProfile, Any]:
+    # Memory first, once (the counting dispatch mode would distort timings).
+    with torch.no_grad(), track_memory(device) as nograd:
+        item(x)
+    with track_memory(device) as mem:
+        out = item(x)
+        forward_peak = mem.peak_so_far()
+        saved = mem.live_bytes()
+        mem.reset_peak()
+        _backward(out)
+        # Saved tensors freed during backward count against its peak.
+        backward_peak = max(0, mem.peak_so_far() - saved)
+    _clear_input_grads(x)
+    output_bytes = _nbytes(out)
+    next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
+    del out
+
+    forward_times, backward_times = [], []
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        _sync(device)
+        start = time.perf_counter()
+        out = item(x)
+        _sync(device)
+        forward_times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        _backward(out)
+        _sync(device)
+        backward_times.append(time.perf_counter() - start)
+        _clear_input_grads(x)
+        del out
+    name = (
+        type(item).__name__
+        if isinstance(item, nn.Module)
+        else getattr(item, "__name__", type(item).__name__)
+    )
+    layer = LayerProfile(
+        name=name,
+        forward_time=statistics.median(forward_times[1:]),
+        backward_time=statistics.median(backward_times[1:]),
+        input_bytes=_nbytes(x),
+        output_bytes=output_bytes,
+        saved_bytes=saved,
+        forward_peak_bytes=forward_peak,
+        nograd_peak_bytes=nograd.peak_bytes,
+        backward_peak_bytes=backward_peak,
+    )
+    return layer, next_input
+
+
+def profile(modules: Any, sample_input: Any, *, repeats: int = 5) -> ChainProfile:
+    """Measure each item of a chain: forward and backward time (medians of
+    ``repeats`` runs after one warm-up, synchronised on CUDA), input and output
+    bytes, the bytes autograd keeps, and the transient peaks of forward and
+    backward.
+
+    Each item runs on a detached copy of the previous item's output, so items are
+    measured one at a time. The chain is sandboxed: its parameters, buffers (e.g.
+    BatchNorm statistics), ``.grad`` s, training flags and the global RNG state are
+    the same afterwards as before.
+
+    Args:
+        modules: the chain, in any form :func:`seqckpt.checkpoint_sequential` takes.
+        sample_input: an input batch like the ones the chain will train on.
+        repeats: timed runs per item.
+
+    Returns:
+        A :class:`ChainProfile`; pass it to :func:`seqckpt.plan`.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> chain = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+        >>> prof = seqckpt.profile(chain, torch.randn(32, 64), repeats=2)
+        >>> [p.output_bytes for p in prof.layers]
+        [8192, 8192, 8192]
+    """
+    from seqckpt.sequential import as_chain
+
+    chain = as_chain(modules)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"seqckpt: repeats must be an int >= 1, got {repeats!r}.")
+    device = _device(sample_input, chain)
+    devices = accelerator_devices(tensors_in(sample_input))
+    layers = []
+    with sandbox(chain, devices), torch.enable_grad():
+        x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
+        for item in chain:
+            layer, x = _profile_item(item, x, device, repeats)
+            layers.append(layer)
+    return ChainProfile(tuple(layers), str(device))
