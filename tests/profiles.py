@@ -1,0 +1,33 @@
+"""Synthetic chain profiles for solver and cost-model tests (no timing noise)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from seqckpt.planner import ChainProfile, LayerProfile
+
+
+def layer(
+    act: int, f: float = 1.0, b: float = 2.0, *, saved: int | None = None
+) -> LayerProfile:
+    """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``)."""
+    kept = act if saved is None else saved
+    return LayerProfile(
+        name="synthetic",
+        forward_time=f,
+        backward_time=b,
+        input_bytes=act,
+        output_bytes=act,
+        saved_bytes=kept,
+        forward_peak_bytes=kept,
+        nograd_peak_bytes=act,
+        backward_peak_bytes=2 * act,
+    )
+
+
+def chain_profile(layers: Sequence[LayerProfile]) -> ChainProfile:
+    return ChainProfile(tuple(layers), "cpu")
+
+
+def equal_layers(n: int, act: int = 1000) -> ChainProfile:
+    return chain_profile([layer(act) for _ in range(n)])

@@ -1,0 +1,158 @@
+"""seqckpt.plan and segments="auto": predictions, reuse, errors, and that a plan's
+measured peak is what it predicted."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import seqckpt
+from seqckpt.models import MODELS
+from seqckpt.planner import Plan, PlanError, Recompute, plan_cost
+from seqckpt.planner.planning import _AUTO_CACHE
+from tests.oracle import assert_matches_plain
+
+
+@pytest.fixture(scope="module")
+def resnet() -> tuple[nn.Sequential, torch.Tensor, seqckpt.planner.ChainProfile]:
+    spec = MODELS["resnet"]
+    model, x = spec.build(), spec.sample("cpu", batch=8)
+    return model, x, seqckpt.profile(model, x, repeats=1)
+
+
+def measured_peak(model: nn.Module, x: torch.Tensor, plan: Plan) -> int:
+    for p in model.parameters():  # grads allocated: not part of the budget
+        p.grad = torch.zeros_like(p)
+    with seqckpt.track_memory("cpu") as mem:
+        seqckpt.checkpoint_sequential(model, plan, x).sum().backward()
+    return mem.peak_bytes
+
+
+def test_plan_reports_predictions_and_fits_the_budget(resnet) -> None:  # type: ignore[no-untyped-def]
+    model, x, prof = resnet
+    fastest = seqckpt.plan(model, x, None, profile=prof)
+    budget = fastest.predicted_peak_bytes // 2
+    plan = seqckpt.plan(model, x, budget, profile=prof)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_time >= fastest.predicted_time
+    assert plan.checkpoints() > 0 and fastest.checkpoints() == 0
+    assert (plan.predicted_peak_bytes, plan.predicted_time) == plan_cost(plan, prof)
+    text = str(plan)
+    assert "predicted peak" in text and "recompute" in text and "keep" in text
+
+
+def test_measured_peak_is_within_15_percent_of_the_prediction(resnet) -> None:  # type: ignore[no-untyped-def]
+    model, x, prof = resnet
+    top = seqckpt.plan(model, x, None, profile=prof).predicted_peak_bytes
+    for share in (1.0, 0.7, 0.5, 0.4):
+        budget = int(top * share)
+        try:
+            plan = seqckpt.plan(model, x, budget, profile=prof)
+        except PlanError:
+            continue
+        peak = measured_peak(model, x, plan)
+        assert abs(peak - plan.predicted_peak_bytes) <= 0.15 * plan.predicted_peak_bytes
+        assert peak <= 1.15 * budget
+
+
+def test_planned_run_is_bitwise_the_plain_run(resnet) -> None:  # type: ignore[no-untyped-def]
+    model, x, prof = resnet
+    floor = seqckpt.plan(model, x, None, profile=prof).predicted_peak_bytes // 3
+    plan = seqckpt.plan(model, x, floor * 2, profile=prof)
+    assert any(isinstance(i, Recompute) for i in plan.items)
+    assert_matches_plain(
+        copy.deepcopy(model),
+        x,
+        lambda m, t: seqckpt.checkpoint_sequential(m, plan, t),
+    )
+    wrapped = seqckpt.CheckpointedSequential.from_sequential(
+        copy.deepcopy(model), segments=plan
+    )
+    assert_matches_plain(
+        wrapped, x, lambda m, t: m(t), plain=lambda m, t: nn.Sequential.forward(m, t)
+    )
+
+
+def test_plan_json_round_trip_keeps_predictions(resnet) -> None:  # type: ignore[no-untyped-def]
+    model, x, prof = resnet
+    plan = seqckpt.plan(model, x, "12MiB", profile=prof)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert again.predicted_peak_bytes == plan.predicted_peak_bytes
+    assert again.predicted_time == plan.predicted_time
+
+
+def test_infeasible_budget_raises_plan_error_with_the_floor(resnet) -> None:  # type: ignore[no-untyped-def]
+    model, x, prof = resnet
+    with pytest.raises(PlanError, match="smallest peak") as info:
+        seqckpt.plan(model, x, "1KiB", profile=prof)
+    assert isinstance(info.value, ValueError)
+    floor = int(
+        str(info.value).split("reaches for this chain and input, ")[1].split()[0]
+    )
+    assert seqckpt.plan(model, x, floor, profile=prof).predicted_peak_bytes <= floor
+
+
+def test_plan_argument_errors(resnet) -> None:  # type: ignore[no-untyped-def]
+    model, x, prof = resnet
+    with pytest.raises(PlanError, match="profile has 14 layers"):
+        seqckpt.plan(list(model)[:5], x, profile=prof)
+    with pytest.raises(TypeError, match="seqckpt: profile must be"):
+        seqckpt.plan(model, x, profile={"layers": []})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="seqckpt: memory_budget"):
+        seqckpt.plan(model, x, -5, profile=prof)
+    with pytest.raises(ValueError, match="seqckpt: slots"):
+        seqckpt.plan(model, x, profile=prof, slots=0)
+
+
+def test_segments_auto_plans_once_and_matches_plain() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)]
+    )
+    x = torch.randn(128, 64, requires_grad=True)
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: seqckpt.checkpoint_sequential(
+            m, "auto", t, memory_budget="250KiB"
+        ),
+    )
+    _AUTO_CACHE.clear()
+    for _ in range(2):
+        seqckpt.checkpoint_sequential(model, "auto", x, memory_budget="250KiB")
+    assert len(_AUTO_CACHE) == 1  # planned once, then reused
+    (plan,) = _AUTO_CACHE.values()
+    assert plan.checkpoints() > 0 and plan.predicted_peak_bytes <= 250 * 1024
+
+    wrapped = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget="250KiB"
+    )
+    wrapped(x).sum().backward()
+    assert len(_AUTO_CACHE) == 1  # the same modules, input and budget
+
+
+def test_segments_auto_errors() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="memory_budget"):
+        seqckpt.checkpoint_sequential(model, "auto", x)  # CPU: no free-memory figure
+    with pytest.raises(ValueError, match="only used with segments='auto'"):
+        seqckpt.checkpoint_sequential(model, 2, x, memory_budget="1MiB")
+    with pytest.raises(ValueError, match="only used with segments='auto'"):
+        seqckpt.CheckpointedSequential(*model, segments=2, memory_budget="1MiB")
+    with pytest.raises(TypeError, match="'auto'"):
+        seqckpt.checkpoint_sequential(model, "fast", x)
+
+
+@pytest.mark.cuda
+def test_segments_auto_uses_free_cuda_memory() -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    _AUTO_CACHE.clear()
+    seqckpt.checkpoint_sequential(model, "auto", x).sum().backward()
+    (plan,) = _AUTO_CACHE.values()
+    assert plan.checkpoints() == 0  # a few KiB fit in any free GPU memory

@@ -1,0 +1,91 @@
+"""seqckpt.profile: what it measures, and that it leaves the model untouched."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import seqckpt
+
+
+def bn_dropout_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32),
+        nn.BatchNorm1d(32),
+        nn.Dropout(0.5),
+        nn.Sequential(nn.Linear(32, 32), nn.Tanh()),
+        nn.Linear(32, 4),
+    )
+
+
+def test_profile_is_sandboxed() -> None:
+    model = bn_dropout_chain()
+    model[3].eval()  # a mixed training flag must survive too
+    x = torch.randn(8, 16)
+    model(x).sum().backward()  # existing .grad values and updated BN stats
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+    grad_values = [g.clone() for g in grads if g is not None]
+    buffers = [b.clone() for b in model.buffers()]
+    flags = [m.training for m in model.modules()]
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+
+    seqckpt.profile(model, x, repeats=2)
+
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(
+        torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True)
+    )
+    assert all(a is p.grad for a, p in zip(grads, model.parameters(), strict=True))
+    now = [p.grad for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(grad_values, now, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+    assert [m.training for m in model.modules()] == flags
+
+
+def test_profile_keeps_none_grads_none() -> None:
+    model = bn_dropout_chain()
+    seqckpt.profile(model, torch.randn(8, 16), repeats=1)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_sizes_follow_the_tensors() -> None:
+    batch, width = 64, 32
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width))
+    prof = seqckpt.profile(model, torch.randn(batch, 16), repeats=1)
+    act = batch * width * 4
+    assert [p.input_bytes for p in prof.layers] == [batch * 16 * 4, act, act]
+    assert [p.output_bytes for p in prof.layers] == [act, act, act]
+    # Linear saves its input (not new) and returns a new output; tanh saves its
+    # output, which is also what it returns.
+    assert [p.saved_bytes for p in prof.layers] == [act, act, act]
+    for p in prof.layers:
+        assert p.forward_peak_bytes >= p.saved_bytes
+        assert p.nograd_peak_bytes >= p.output_bytes
+        assert p.backward_peak_bytes >= p.output_bytes  # the output gradient
+        assert p.forward_time > 0 and p.backward_time > 0
+
+
+def test_tuple_passing_chain_and_plain_callables() -> None:
+    lin = nn.Linear(8, 8)
+
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, 2 * x
+
+    def join(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lin(pair[0]) + pair[1]
+
+    prof = seqckpt.profile([split, join], torch.randn(4, 8), repeats=1)
+    assert prof.layers[0].name == "split"
+    assert prof.layers[0].output_bytes == 2 * 4 * 8 * 4
+    assert "split" in prof.table() and "join" in prof.table()
+
+
+def test_input_without_grad_has_no_input_gradient() -> None:
+    model = nn.Sequential(nn.Linear(256, 256))
+    x = torch.randn(512, 256)
+    without = seqckpt.profile(model, x, repeats=1).layers[0]
+    with_grad = seqckpt.profile(model, x.requires_grad_(), repeats=1).layers[0]
+    assert with_grad.backward_peak_bytes >= without.backward_peak_bytes + x.nbytes

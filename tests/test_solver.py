@@ -1,0 +1,145 @@
+"""The cost model and the dynamic program, on synthetic profiles with known
+answers and against brute force over every plan of small chains."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqckpt.planner import Plan, PlanError, Recompute, Run, plan_cost, uniform_plan
+from seqckpt.planner.cost import CostModel
+from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan, least_memory
+from tests.profiles import chain_profile, equal_layers, layer
+
+
+def all_items(
+    start: int, stop: int, whole: bool = True
+) -> Iterator[tuple[Run | Recompute, ...]]:
+    """Every item sequence covering layers start..stop-1 (one layer per Run);
+    ``whole=False`` leaves out one region spanning everything (an inner plan
+    that only recomputes itself again)."""
+    if start == stop:
+        yield ()
+        return
+    for rest in all_items(start + 1, stop):
+        yield (Run(start, start + 1), *rest)
+    for cut in range(start + 1, stop + 1 if whole else stop):
+        for inner in all_items(start, cut, whole=False):
+            for rest in all_items(cut, stop):
+                yield (Recompute(start, cut, Plan(inner)), *rest)
+
+
+def test_brute_force_enumerates_nested_plans() -> None:
+    plans = list(all_items(0, 3))
+    assert len(set(plans)) == len(plans)
+    assert any(
+        isinstance(i, Recompute) and i.inner.checkpoints() for p in plans for i in p
+    )
+
+
+def test_keep_everything_when_it_fits() -> None:
+    prof = equal_layers(6)
+    keep_all = Plan((Run(0, 6),))
+    peak, seconds = plan_cost(keep_all, prof)
+    plan = fastest_plan(prof, peak)
+    assert plan == keep_all
+    assert plan.predicted_peak_bytes == peak and plan.predicted_time == seconds
+    assert fastest_plan(prof, None) == keep_all
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one() -> None:
+    prof = equal_layers(10)
+    floor, _ = least_memory(CostModel.of(prof))
+    with pytest.raises(PlanError, match=r"^seqckpt: memory_budget") as info:
+        fastest_plan(prof, floor - 1)
+    assert str(floor) in str(info.value)
+    assert isinstance(info.value, ValueError)
+    plan = fastest_plan(prof, floor)
+    assert plan.predicted_peak_bytes is not None
+    assert plan.predicted_peak_bytes <= floor
+
+
+def test_least_memory_is_the_minimum_over_all_plans() -> None:
+    prof = chain_profile([layer(a) for a in (5000, 4000, 1000, 3000, 500)])
+    model = CostModel.of(prof)
+    floor, plan = least_memory(model)
+    best = min(model.cost(items, model.a[-1])[0] for items in all_items(0, 5))
+    assert floor == best == model.cost(plan.items, model.a[-1])[0]
+
+
+def test_equal_layers_at_one_extra_forward_need_about_sqrt_2n() -> None:
+    # With every layer recomputed at most once, the best persistent schedule
+    # keeps about sqrt(2n) activations (segments of decreasing size), against
+    # about 2 sqrt(n) for the best uniform split (Beaumont et al. 2019).
+    n, act = 50, 1000
+    prof = equal_layers(n, act)
+    model = CostModel.of(prof)
+    one_extra_forward = sum(model.forward_time) * 2 + sum(model.backward_time)
+    floor, _ = least_memory(model)
+    units = next(
+        u
+        for u in range(math.ceil(floor / act), 4 * n)
+        if fastest_plan(prof, u * act).predicted_time <= one_extra_forward  # type: ignore[operator]
+    )
+    uniform_units = min(
+        model.cost(uniform_plan(n, k).items, act)[0] / act
+        for k in range(1, n + 1)
+        if model.cost(uniform_plan(n, k).items, act)[1] <= one_extra_forward
+    )
+    # The model adds a few constant units: the output gradient and the
+    # backward's temporaries.
+    assert math.sqrt(2 * n) <= units <= math.sqrt(2 * n) + 3
+    assert units < uniform_units
+    assert uniform_units >= 2 * math.sqrt(n)
+
+
+@st.composite
+def profiles(draw: st.DrawFn) -> tuple[object, int]:
+    n = draw(st.integers(1, 4))
+    layers = [
+        layer(
+            draw(st.integers(1, 50)) * 1000,
+            draw(st.integers(1, 9)) / 4,
+            draw(st.integers(1, 9)) / 4,
+            saved=draw(st.integers(1, 80)) * 1000,
+        )
+        for _ in range(n)
+    ]
+    prof = chain_profile(layers)
+    model = CostModel.of(prof)
+    floor, _ = least_memory(model)
+    top = model.cost((Run(0, n),), model.a[-1])[0]
+    budget = draw(st.integers(floor, max(floor, top)))
+    return prof, budget
+
+
+@settings(max_examples=60, deadline=None)
+@given(profiles())
+def test_dp_matches_brute_force(case: tuple[object, int]) -> None:
+    prof, budget = case
+    model = CostModel.of(prof)  # type: ignore[arg-type]
+    n = len(model)
+    plan = fastest_plan(prof, budget)  # type: ignore[arg-type]
+    assert plan.predicted_peak_bytes is not None and plan.predicted_time is not None
+    assert plan.predicted_peak_bytes <= budget
+    # Sizes are rounded up to slots, so the DP may miss plans within a few slots
+    # of the budget; every plan clear of that margin must be no faster.
+    margin = (n + 2) * budget / DEFAULT_SLOTS
+    for items in all_items(0, n):
+        need, seconds = model.cost(items, model.a[-1])
+        if need <= budget - margin:
+            assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
+
+
+def test_nesting_appears_when_it_pays() -> None:
+    # Big early activations, cheap layers: recomputing inside a recompute is
+    # the only way to fit a tight budget.
+    prof = equal_layers(12)
+    floor, _ = least_memory(CostModel.of(prof))
+    plan = fastest_plan(prof, floor)
+    top_level = sum(isinstance(i, Recompute) for i in plan.items)
+    assert plan.checkpoints() > top_level
