@@ -1,7 +1,10 @@
-"""Command line: ``python -m seqckpt [validate] [options]``.
+"""Command line: ``python -m seqckpt [validate|profile|plan] [options]``.
 
 With no arguments it validates the default model on CUDA when available, else on
-the CPU. Bad arguments give one line on stderr and exit status 2.
+the CPU. ``profile`` prints the per-layer table the planner uses; ``plan`` prints
+the plan for a budget with its predicted and measured peak and time, and with
+``--plot`` the memory/time frontier. Bad arguments give one line on stderr and
+exit status 2.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ import sys
 from typing import Any, NoReturn
 
 from seqckpt.models import MODELS
-from seqckpt.validation import validate
+from seqckpt.planner import parse_budget, plan, profile
+from seqckpt.planner.budget import format_bytes
+from seqckpt.planner.frontier import (
+    format_frontier,
+    frontier,
+    measure_step,
+    plot_frontier,
+)
+from seqckpt.validation import resolve_device, validate
 
 DEFAULT_MODEL = "resnet"
 
@@ -38,6 +49,35 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--segments", type=int, default=None, help="segment count")
     v.add_argument("--batch", type=int, default=None, help="batch size")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+    for name, text in (
+        ("profile", "per-layer time and memory of an embedded model"),
+        ("plan", "the fastest plan under a memory budget, predicted and measured"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument(
+            "--model",
+            default=DEFAULT_MODEL,
+            choices=list(MODELS),
+            help=f"an embedded model (default {DEFAULT_MODEL})",
+        )
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+        p.add_argument("--batch", type=int, default=None, help="batch size")
+        if name == "plan":
+            p.add_argument(
+                "--budget",
+                default=None,
+                help="memory budget beyond parameters, grads and input, e.g. 64MiB "
+                "(default: none, the fastest plan)",
+            )
+            p.add_argument(
+                "--plot",
+                default=None,
+                metavar="PNG",
+                help="also measure the memory/time frontier and draw it here "
+                "(a text table without matplotlib)",
+            )
+        p.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -68,10 +108,72 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def _model_and_input(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    device = resolve_device(args.device)
+    if args.batch is not None and args.batch < 1:
+        raise ValueError(f"seqckpt: --batch must be >= 1, got {args.batch}.")
+    spec = MODELS[args.model]
+    return spec.build().to(device), spec.sample(device, args.batch), device
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    model, x, _ = _model_and_input(args)
+    prof = profile(model, x)
+    print(json.dumps(prof.to_dict(), indent=1) if args.json else prof.table())
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    model, x, device = _model_and_input(args)
+    budget = None if args.budget is None else parse_budget(args.budget, "--budget")
+    print(f"seqckpt: profiling {args.model} on {device} ...", file=sys.stderr)
+    prof = profile(model, x)
+    chosen = plan(model, x, budget, profile=prof)
+    measured = measure_step(model, x, chosen, device)
+    if args.json:
+        report = chosen.to_dict()
+        report["measured_peak_bytes"] = measured.peak_bytes
+        report["measured_time"] = measured.seconds
+        print(json.dumps(report, indent=1))
+    else:
+        print(chosen)
+        print(
+            f"predicted: peak {format_bytes(chosen.predicted_peak_bytes or 0)}, "
+            f"step {(chosen.predicted_time or 0) * 1e3:.1f} ms (forward + backward)\n"
+            f"measured:  peak {format_bytes(measured.peak_bytes)}, "
+            f"step {measured.seconds * 1e3:.1f} ms (median of 3)"
+        )
+    if args.plot:
+        points = frontier(
+            model,
+            x,
+            prof,
+            device,
+            progress=lambda what: print(f"seqckpt: measuring {what}", file=sys.stderr),
+        )
+        print(format_frontier(points))
+        title = f"{args.model}, batch {x.shape[0]}, {device}"
+        if plot_frontier(points, args.plot, title):
+            print(f"seqckpt: frontier drawn in {args.plot}")
+        else:
+            print(
+                "seqckpt: matplotlib is not installed, so no picture was drawn; "
+                "pip install 'seqckpt[plot]' for one.",
+                file=sys.stderr,
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command is None:  # bare `python -m seqckpt`
         args = build_parser().parse_args(["validate", *(argv or [])])
+    if args.command in ("profile", "plan"):
+        try:
+            return run_profile(args) if args.command == "profile" else run_plan(args)
+        except (ValueError, TypeError) as error:  # PlanError is a ValueError
+            print(str(error).splitlines()[0], file=sys.stderr)
+            return 2
     try:
         rows = validate(
             args.model, args.device, args.segments, args.batch, progress=not args.json

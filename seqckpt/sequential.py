@@ -174,7 +174,7 @@ def checkpoint_sequential(
         modules: an ``nn.Sequential``, ``nn.ModuleList``, or a list or tuple of
             modules or plain callables. A nested ``nn.Sequential`` is one item.
         segments: an int ``k`` (1 <= k <= number of modules): ``k`` contiguous
-            segments whose sizes differ by at most one, larger ones first (torch
+            segments whose sizes differ by at most one, smaller ones first (torch
             puts the whole remainder in its last, plain segment); a list of
             segment sizes summing to the number of modules; or a
             :class:`~seqckpt.planner.Plan`, e.g. from :func:`seqckpt.plan`; or

@@ -52,9 +52,9 @@ class Plan:
         >>> from seqckpt.planner import uniform_plan
         >>> print(uniform_plan(5, 2))
         Plan for layers 0-4
-          recompute 0-2
-            keep 0-2
-          keep 3-4
+          recompute 0-1
+            keep 0-1
+          keep 2-4
     """
 
     items: tuple[Item, ...]
@@ -244,10 +244,20 @@ def plan_from_sizes(sizes: list[int] | tuple[int, ...]) -> Plan:
 
 
 def balanced_sizes(n: int, k: int) -> list[int]:
-    """``k`` contiguous sizes summing to ``n`` that differ by at most one; the
-    larger ones come first, so the plain last segment is never the largest."""
+    """``k`` contiguous sizes summing to ``n`` that differ by at most one.
+
+    The smaller ones come first: the first segments are those torch makes, and
+    the remainder is spread over the last ones instead of piling up in the plain
+    tail. Early layers of CNNs have the largest activations, so short early
+    segments keep the biggest recompute small, and the plain tail (never
+    recomputed) is as long as balance allows.
+
+    Example:
+        >>> balanced_sizes(30, 8)
+        [3, 3, 4, 4, 4, 4, 4, 4]
+    """
     base, extra = divmod(n, k)
-    return [base + 1] * extra + [base] * (k - extra)
+    return [base] * (k - extra) + [base + 1] * extra
 
 
 def uniform_plan(n: int, k: int) -> Plan:

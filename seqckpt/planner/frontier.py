@@ -1,0 +1,209 @@
+"""The memory/time frontier: planned schedules at several budgets against uniform
+segment counts (seqckpt's and torch's), each measured on the real step.
+
+Example:
+    >>> import torch
+    >>> from seqckpt.planner.frontier import measure_step
+    >>> model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])
+    >>> m = measure_step(model, torch.randn(16, 32), 2, "cpu", repeats=1)
+    >>> m.peak_bytes > 0 and m.seconds > 0
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from seqckpt.memory import track_memory
+from seqckpt.planner.budget import format_bytes
+from seqckpt.planner.cost import CostModel
+from seqckpt.planner.profile import ChainProfile
+from seqckpt.planner.solver import fastest_plan, least_memory
+from seqckpt.planner.tree import Plan, Run
+
+__all__ = ["FrontierPoint", "StepMeasurement", "frontier", "measure_step"]
+
+
+@dataclass(frozen=True)
+class StepMeasurement:
+    """Peak bytes of one training step beyond parameters, their gradients and
+    the input, and the median seconds of ``repeats`` steps."""
+
+    peak_bytes: int
+    seconds: float
+
+
+def _torch_uniform(k: int) -> Callable[[nn.Sequential, Any], Any]:
+    def run(model: nn.Sequential, x: Any) -> Any:
+        return torch_checkpoint.checkpoint_sequential(  # type: ignore[no-untyped-call]
+            model, k, x, use_reentrant=False
+        )
+
+    return run
+
+
+def measure_step(
+    model: nn.Sequential,
+    x: Any,
+    segments: int | Plan | Callable[[nn.Sequential, Any], Any],
+    device: str | torch.device,
+    repeats: int = 3,
+) -> StepMeasurement:
+    """Measure one training step (forward, sum, backward) of ``model`` run with
+    ``segments`` (anything :func:`seqckpt.checkpoint_sequential` takes, or a
+    function ``(model, x) -> output``). Parameter gradients are allocated first,
+    so the peak is what the step adds, as a memory budget counts it. The model's
+    gradients and buffers are changed as by any training step."""
+    from seqckpt.sequential import checkpoint_sequential
+
+    dev = torch.device(device)
+    if callable(segments):
+        forward = segments
+    else:
+        chosen = segments
+
+        def forward(m: nn.Sequential, t: Any) -> Any:
+            return checkpoint_sequential(m, chosen, t)
+
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    def step() -> None:
+        forward(model, x).float().sum().backward()
+
+    step()  # warm-up
+    with track_memory(dev) as mem:
+        step()
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - start)
+    return StepMeasurement(mem.peak_bytes, statistics.median(times))
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One schedule on the frontier: ``kind`` is "planned", "seqckpt uniform" or
+    "torch uniform"; ``label`` the budget or the segment count."""
+
+    kind: str
+    label: str
+    measured: StepMeasurement
+    predicted_peak_bytes: int | None = None
+    predicted_time: float | None = None
+
+
+def frontier(
+    model: nn.Sequential,
+    x: Any,
+    profile: ChainProfile,
+    device: str | torch.device,
+    points: int = 8,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[FrontierPoint]:
+    """Measure planned schedules at ``points`` budgets spread from the smallest
+    feasible peak to the keep-everything peak, and every uniform segment count
+    with seqckpt and with ``torch.utils.checkpoint.checkpoint_sequential``."""
+    model_costs = CostModel.of(profile)
+    n = len(model_costs)
+    floor, _ = least_memory(model_costs)
+    top, _ = model_costs.cost((Run(0, n),), model_costs.a[-1])
+    out = []
+    for i in range(points):
+        budget = int(floor + (top - floor) * i / max(1, points - 1))
+        plan = fastest_plan(profile, budget)
+        if progress:
+            progress(f"planned {format_bytes(budget)}")
+        out.append(
+            FrontierPoint(
+                "planned",
+                format_bytes(budget),
+                measure_step(model, x, plan, device, repeats),
+                plan.predicted_peak_bytes,
+                plan.predicted_time,
+            )
+        )
+    for k in range(1, n + 1):
+        if progress:
+            progress(f"uniform {k}")
+        out.append(
+            FrontierPoint(
+                "seqckpt uniform", f"{k}", measure_step(model, x, k, device, repeats)
+            )
+        )
+        out.append(
+            FrontierPoint(
+                "torch uniform",
+                f"{k}",
+                measure_step(model, x, _torch_uniform(k), device, repeats),
+            )
+        )
+    return out
+
+
+def format_frontier(points: list[FrontierPoint]) -> str:
+    """The frontier as a text table, fastest first within each kind."""
+    lines = [f"{'schedule':<17}{'budget/k':>12}{'peak MiB':>10}{'step ms':>10}"
+             f"{'pred MiB':>10}{'pred ms':>10}"]  # fmt: skip
+    for p in points:
+        pred_mib = (
+            f"{p.predicted_peak_bytes / 2**20:.2f}" if p.predicted_peak_bytes else "-"
+        )
+        pred_ms = f"{p.predicted_time * 1e3:.1f}" if p.predicted_time else "-"
+        lines.append(
+            f"{p.kind:<17}{p.label:>12}{p.measured.peak_bytes / 2**20:>10.2f}"
+            f"{p.measured.seconds * 1e3:>10.1f}{pred_mib:>10}{pred_ms:>10}"
+        )
+    return "\n".join(lines)
+
+
+def plot_frontier(points: list[FrontierPoint], path: str, title: str) -> bool:
+    """Draw measured step time against peak memory into ``path``; False (nothing
+    drawn) when matplotlib, an optional extra, is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {
+        "planned": ("o-", "seqckpt.plan (budgets)"),
+        "seqckpt uniform": ("s--", "seqckpt uniform k"),
+        "torch uniform": ("^:", "torch checkpoint_sequential k"),
+    }
+    for kind, (style, label) in styles.items():
+        chosen = sorted(
+            (p for p in points if p.kind == kind), key=lambda p: p.measured.peak_bytes
+        )
+        ax.plot(
+            [p.measured.peak_bytes / 2**20 for p in chosen],
+            [p.measured.seconds * 1e3 for p in chosen],
+            style,
+            label=label,
+        )
+    ax.set_xlabel("measured peak activation memory (MiB)")
+    ax.set_ylabel("measured step time (ms, median)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
