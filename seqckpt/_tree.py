@@ -6,7 +6,7 @@ that is passed through untouched. Internal: nothing here is public API.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,19 +30,23 @@ def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Te
 
 
 def replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with its tensors, in :func:`tensors_in` order, replaced by ``tensors``."""
-    it = iter(tensors)
+    """``obj`` with its tensors, in :func:`tensors_in` order, replaced by ``tensors``.
 
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            return next(it)
-        if isinstance(o, tuple):
-            items = [walk(i) for i in o]
-            return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
-        if isinstance(o, list):
-            return type(o)(walk(i) for i in o)
-        if isinstance(o, dict):
-            return type(o)((k, walk(v)) for k, v in o.items())
-        return o
+    Written without a recursive closure on purpose: a closure that calls itself
+    is a reference cycle, which would keep ``tensors`` alive until the garbage
+    collector runs (activations outliving their backward).
+    """
+    return _rebuild(obj, iter(tensors))
 
-    return walk(obj)
+
+def _rebuild(o: Any, it: Iterator[torch.Tensor]) -> Any:
+    if isinstance(o, torch.Tensor):
+        return next(it)
+    if isinstance(o, tuple):
+        items = [_rebuild(i, it) for i in o]
+        return type(o)(*items) if hasattr(o, "_fields") else type(o)(items)
+    if isinstance(o, list):
+        return type(o)(_rebuild(i, it) for i in o)
+    if isinstance(o, dict):
+        return type(o)((k, _rebuild(v, it)) for k, v in o.items())
+    return o

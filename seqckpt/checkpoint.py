@@ -178,26 +178,28 @@ def modules_of(function: object) -> list[nn.Module]:
     if isinstance(function, nn.Module):
         return [function]
     found: list[nn.Module] = []
-
-    def visit(obj: object, depth: int) -> None:
-        if isinstance(obj, nn.Module):
-            found.append(obj)
-        elif depth > 0:
-            if isinstance(obj, functools.partial):
-                visit(obj.func, depth - 1)
-                for a in (*obj.args, *obj.keywords.values()):
-                    visit(a, depth - 1)
-            elif hasattr(obj, "__self__"):
-                visit(obj.__self__, depth - 1)
-            closure = getattr(obj, "__closure__", None)
-            for cell in closure or ():
-                try:
-                    visit(cell.cell_contents, depth - 1)
-                except ValueError:  # an empty cell
-                    continue
-
-    visit(function, 3)
+    _visit(function, 3, found)
     return found
+
+
+def _visit(obj: object, depth: int, found: list[nn.Module]) -> None:
+    # A module-level function, not a closure: a recursive closure is a reference
+    # cycle that only the garbage collector frees.
+    if isinstance(obj, nn.Module):
+        found.append(obj)
+    elif depth > 0:
+        if isinstance(obj, functools.partial):
+            _visit(obj.func, depth - 1, found)
+            for a in (*obj.args, *obj.keywords.values()):
+                _visit(a, depth - 1, found)
+        elif hasattr(obj, "__self__"):
+            _visit(obj.__self__, depth - 1, found)
+        closure = getattr(obj, "__closure__", None)
+        for cell in closure or ():
+            try:
+                _visit(cell.cell_contents, depth - 1, found)
+            except ValueError:  # an empty cell
+                continue
 
 
 def _buffers(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
