@@ -1,12 +1,13 @@
 """Turn pytest-benchmark JSON files into the Markdown tables of bench/README.md.
 
 Usage:
-    python bench/report.py bench/results/overhead.json [more.json ...]
+    python bench/report.py bench/results/suite.json [more.json ...]
 
 Prints one table per benchmark group: the median step time of each variant as a
 ratio to the plain step and to torch's non-reentrant checkpoint (both measured in
 the same run), plus the peak memory recorded in ``extra_info`` when present.
 Absolute medians are shown too, but on a shared machine only the ratios carry.
+A file from ``bench/test_planner.py`` gets the frontier table and its targets.
 """
 
 from __future__ import annotations
@@ -30,11 +31,15 @@ def group_table(rows: list[dict[str, Any]]) -> str:
     plain = by_variant.get(PLAIN)
     torch_row = by_variant.get(TORCH)
     has_peak = any("peak_bytes" in r["extra_info"] for r in rows)
+    has_paired = any("paired_x_plain" in r["extra_info"] for r in rows)
     head = "| variant | median ms | x plain | x torch non-reentrant |"
     rule = "|---|---:|---:|---:|"
-    if has_peak:
-        head += " peak MiB | peak x plain |"
+    if has_paired:
+        head += " x plain (paired) | x torch (paired) |"
         rule += "---:|---:|"
+    if has_peak:
+        head += " peak MiB | peak x plain | peak x torch |"
+        rule += "---:|---:|---:|"
     lines = [head, rule]
     for variant, row in by_variant.items():
         median = row["stats"]["median"]
@@ -44,13 +49,90 @@ def group_table(rows: list[dict[str, Any]]) -> str:
             f"{median / plain['stats']['median']:.2f}" if plain else "",
             f"{median / torch_row['stats']['median']:.2f}" if torch_row else "",
         ]
+        if has_paired:
+            info = row["extra_info"]
+            for key, is_base in (("paired_x_plain", variant == PLAIN),
+                                 ("paired_x_torch", variant == TORCH)):  # fmt: skip
+                value = 1.0 if is_base else info.get(key)
+                cells.append("" if value is None else f"{value:.2f}")
         if has_peak:
             peak = row["extra_info"].get("peak_bytes")
-            base = plain["extra_info"].get("peak_bytes") if plain else None
             cells.append(_mib(peak))
-            cells.append(f"{peak / base:.2f}" if peak and base else "")
+            for base_row in (plain, torch_row):
+                base = base_row["extra_info"].get("peak_bytes") if base_row else None
+                cells.append(f"{peak / base:.2f}" if peak and base else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def frontier_table(benchmarks: list[dict[str, Any]]) -> str:
+    """Planned vs uniform at every k (bench/test_planner.py)."""
+    rows: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for b in benchmarks:
+        info = b["extra_info"]
+        rows[info["k"]][info["variant"]] = {
+            "ms": b["stats"]["median"] * 1e3,
+            "peak": info["peak_bytes"],
+            "predicted": info.get("predicted_peak_bytes"),
+            "budget": info.get("budget_bytes"),
+            "paired": info.get("paired_ratio"),
+        }
+    lines = [
+        "| k | torch MiB | torch ms | plan@torch MiB | plan@torch ms | x torch "
+        "(paired) | seqckpt MiB | seqckpt ms | plan@seqckpt MiB | plan@seqckpt ms "
+        "| x seqckpt (paired) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ratios, errors, over, equal_time = [], [], [], []
+    for k in sorted(rows):
+        r = rows[k]
+        cells = [str(k)]
+        for kind in ("torch", "seqckpt"):
+            u, p = r[f"{kind}_uniform"], r[f"planned_at_{kind}"]
+            ratio = p["ms"] / u["ms"]
+            paired = p["paired"] if p["paired"] is not None else ratio
+            ratios.append((paired, kind, k))
+            errors.append(abs(p["peak"] - p["predicted"]) / p["predicted"])
+            over.append(p["peak"] / p["budget"])
+            cells += [
+                _mib(u["peak"]), f"{u['ms']:.1f}", _mib(p["peak"]), f"{p['ms']:.1f}",
+                f"{ratio:.2f} ({paired:.2f})",
+            ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+        eq = r.get("planned_equal_time")
+        if eq is not None and eq["paired"] is not None and k > 1:
+            saved = 1 - eq["peak"] / r["seqckpt_uniform"]["peak"]
+            equal_time.append((saved, eq["paired"], k))
+            errors.append(abs(eq["peak"] - eq["predicted"]) / eq["predicted"])
+    worst = max(ratios)
+    best = min(ratios)
+    eq_lines = [
+        "",
+        "| k | seqckpt uniform MiB | equal-time plan MiB | memory saved | time x uniform (paired) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for saved, paired, k in equal_time:
+        eq = rows[k]["planned_equal_time"]
+        eq_lines.append(
+            f"| {k} | {_mib(rows[k]['seqckpt_uniform']['peak'])} | {_mib(eq['peak'])} "
+            f"| {100 * saved:.0f}% | {paired:.2f} |"
+        )
+    best_saving = max(equal_time) if equal_time else (0.0, 0.0, 0)
+    lines += [
+        "",
+        "Ratios in parentheses are paired (alternating back-to-back steps, "
+        "median of 15 pairs); the summary uses them.",
+        "",
+        f"- slowest plan against the uniform run whose peak was its budget: "
+        f"{worst[0]:.2f}x ({worst[1]} k={worst[2]}); fastest {best[0]:.2f}x "
+        f"({best[1]} k={best[2]}), i.e. {100 * (1 - best[0]):.0f}% faster at equal memory.",
+        f"- equal time: at k={best_saving[2]} the least-memory plan predicted no "
+        f"slower than seqckpt's uniform run needs {100 * best_saving[0]:.0f}% less "
+        f"memory, measured at {best_saving[1]:.2f}x its time (paired).",
+        f"- measured peak vs predicted: at most {100 * max(errors):.1f}% apart; "
+        f"measured peak / budget at most {max(over):.3f}.",
+    ]
+    return "\n".join(lines + eq_lines)
 
 
 def report(paths: list[Path]) -> str:
@@ -58,16 +140,22 @@ def report(paths: list[Path]) -> str:
     for path in paths:
         data = json.loads(path.read_text())
         info = data["machine_info"]
+        device = info.get("gpu") or info.get("cpu", {}).get("brand_raw", "?")
         out.append(
-            f"Run {data['datetime'][:19]} on {info.get('cpu', {}).get('brand_raw', '?')}"
-            f", Python {info.get('python_version')}, from `{path}`."
+            f"Run {data['datetime'][:19]} on {device}, torch {info.get('torch', '?')}, "
+            f"Python {info.get('python_version')}, sizes `{info.get('bench_size', 'cpu')}`, "
+            f"from `{path}`."
         )
         groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for bench in data["benchmarks"]:
             groups[bench["group"] or bench["name"]].append(bench)
-        for group, rows in groups.items():
-            out.append(f"\n#### {group}\n")
-            out.append(group_table(rows))
+        if all(g.startswith("frontier-") for g in groups):
+            out.append("")
+            out.append(frontier_table(data["benchmarks"]))
+        else:
+            for group, rows in groups.items():
+                out.append(f"\n#### {group}\n")
+                out.append(group_table(rows))
         out.append("")
     return "\n".join(out)
 

@@ -1,0 +1,128 @@
+"""Workers for tests/test_distributed.py, run in 2 processes on the gloo backend.
+
+Each rank trains on its half of a batch; after one step its gradients must equal
+a single-process step of the plain model on the whole batch (the loss is a mean,
+so the average DDP/FSDP take over ranks is the whole-batch gradient).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import seqckpt
+from seqckpt.planner import Plan, Recompute, Run
+
+BATCH, WIDTH, LAYERS = 8, 16, 6
+
+
+def _model() -> nn.Sequential:
+    # Deterministic layers only: dropout draws per rank and BatchNorm's batch
+    # statistics per half batch would legitimately differ from one process.
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.Tanh())
+            for _ in range(LAYERS)
+        ]
+    )
+
+
+NESTED_PLAN = Plan(
+    (
+        Recompute(0, 3, Plan((Run(0, 1), Recompute(1, 3, Plan((Run(1, 3),)))))),
+        Recompute(3, 5, Plan((Run(3, 5),))),
+        Run(5, 6),
+    )
+)
+
+
+class _FunctionalChain(nn.Module):
+    """A model whose forward calls seqckpt.checkpoint_sequential on its stack."""
+
+    def __init__(self, stack: nn.Sequential, segments: Any) -> None:
+        super().__init__()
+        self.stack = stack
+        self.segments = segments
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = seqckpt.checkpoint_sequential(self.stack, self.segments, x)
+        return out
+
+
+def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
+    if kind == "module":
+        return seqckpt.CheckpointedSequential.from_sequential(model, segments=3)
+    if kind == "function":
+        return _FunctionalChain(model, 2)
+    if kind == "plan":
+        return seqckpt.CheckpointedSequential.from_sequential(model, segments=NESTED_PLAN)
+    raise ValueError(kind)
+
+
+def _reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = _model()
+    torch.manual_seed(1)
+    x = torch.randn(BATCH, WIDTH)
+    model(x).pow(2).mean().backward()
+    return x, [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _init(rank: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+
+def ddp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
+    _init(rank, port)
+    try:
+        x, expected = _reference()
+        model = _wrap(kind, _model())
+        ddp = nn.parallel.DistributedDataParallel(model, **options)
+        half = x.chunk(2)[rank].clone().requires_grad_()
+        for _ in range(2 if options.get("static_graph") else 1):
+            ddp.zero_grad(set_to_none=True)
+            ddp(half).pow(2).mean().backward()
+        got = [p.grad for p in ddp.parameters()]
+        assert all(g is not None for g in got), "a parameter got no gradient"
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert torch.allclose(g, e, rtol=1e-5, atol=1e-6), (  # type: ignore[arg-type]
+                f"rank {rank} {kind} {options}: grad {i} differs by "
+                f"{(g - e).abs().max().item()}"  # type: ignore[operator]
+            )
+        dist.barrier()  # both ranks done before the group is torn down
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, port)
+    try:
+        x, expected = _reference()
+        model = _wrap(kind, _model())
+        blocks = model if isinstance(model, nn.Sequential) else model.stack  # type: ignore[union-attr]
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(model)
+        half = x.chunk(2)[rank].clone().requires_grad_()
+        model(half).pow(2).mean().backward()
+        for i, (p, e) in enumerate(zip(model.parameters(), expected, strict=True)):
+            full = p.grad.full_tensor()  # type: ignore[union-attr]
+            assert torch.allclose(full, e, rtol=1e-5, atol=1e-6), (
+                f"rank {rank} fsdp {kind}: grad {i} differs by "
+                f"{(full - e).abs().max().item()}"
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+WORKERS: dict[str, Callable[..., None]] = {"ddp": ddp_worker, "fsdp": fsdp_worker}

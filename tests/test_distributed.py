@@ -1,0 +1,69 @@
+"""DDP and FSDP2 with checkpointed models: 2 processes on gloo, started here.
+
+Each case spawns two processes on a free localhost port, bounded in time; a
+failing or hanging case kills both and fails with the worker's error.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.distributed_workers import WORKERS
+
+TIMEOUT_S = 120
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is not built into this torch",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_two_ranks(engine: str, kind: str, options: dict[str, Any]) -> None:
+    context = mp.start_processes(
+        WORKERS[engine],
+        args=(_free_port(), kind, options),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{engine} {kind} {options}: no result in {TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+
+
+@pytest.mark.parametrize("kind", ["module", "function", "plan"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"find_unused_parameters": False},
+        {"find_unused_parameters": True},
+        {"static_graph": True},
+    ],
+    ids=["plain", "find_unused", "static_graph"],
+)
+def test_ddp_gradients_equal_a_single_process(kind: str, options: dict[str, Any]) -> None:
+    run_two_ranks("ddp", kind, options)
+
+
+@pytest.mark.parametrize("kind", ["module", "plan"])
+def test_fsdp2_gradients_equal_a_single_process(kind: str) -> None:
+    run_two_ranks("fsdp", kind, {})

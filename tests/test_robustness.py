@@ -1,0 +1,312 @@
+"""Robustness: random chains and plans, threads, long runs, faults, hostile input.
+
+Hostile input tried (each is a test below; "error" means a ``seqckpt:`` error of
+the named type, "correct" means bitwise equal to the plain run):
+
+| input                                              | result                     |
+|----------------------------------------------------|----------------------------|
+| modules not a chain (int, dict, module, generator) | TypeError naming modules   |
+| empty chain (list, nn.Sequential)                  | ValueError naming modules  |
+| non-callable item in the chain                     | TypeError naming the index |
+| segments 0, -1, n+1, sizes not summing to n        | ValueError naming segments |
+| segments 2.0, True, "2", None, object()            | TypeError naming segments  |
+| a Plan for another chain length                    | PlanError (ValueError)     |
+| malformed plan JSON (7 shapes)                     | PlanError                  |
+| memory_budget 0, -1, "0MiB", "lots", True, 1.5     | ValueError / TypeError     |
+| profile of another chain                           | PlanError                  |
+| NaN and inf in the input                           | correct (NaNs in place)    |
+| a zero-size batch                                  | correct                    |
+| input and model on different devices (meta / cpu)  | torch's own error, raised  |
+| checkpointed function raising in forward/recompute | original exception, state restored |
+| backward twice without retain_graph                | RuntimeError from autograd |
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import seqckpt
+from seqckpt import CheckpointedSequential, checkpoint_sequential
+from seqckpt.planner import Plan, PlanError, Recompute, Run
+from tests.oracle import assert_matches_plain
+
+# ------------------------------------------------------------ random chains
+
+
+class Split(nn.Module):
+    """Tensor -> (tensor, tensor): a tuple flows to the next stage."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.sin(x)
+
+
+class Join(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.lin(pair[0]) * pair[1]
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
+    width = draw(st.integers(2, 12))
+    items: list[nn.Module] = [nn.Linear(width, width)]  # something to train
+    for _ in range(draw(st.integers(0, 8))):
+        kind = draw(st.sampled_from(["linear", "dropout", "bn", "act", "pair"]))
+        if kind == "linear":
+            items.append(nn.Linear(width, width))
+        elif kind == "dropout":
+            items.append(nn.Dropout(draw(st.sampled_from([0.1, 0.5]))))
+        elif kind == "bn":
+            items.append(nn.BatchNorm1d(width))
+        elif kind == "act":
+            items.append(draw(st.sampled_from([nn.GELU, nn.Tanh, nn.ReLU]))())
+        else:
+            items += [Split(), Join(width)]
+    torch.manual_seed(draw(st.integers(0, 1000)))
+    return nn.Sequential(*items), width
+
+
+@st.composite
+def plans(draw: st.DrawFn, start: int, stop: int, depth: int = 0) -> Plan:
+    """A random plan tree over layers start..stop-1, nesting up to depth 2."""
+    items: list[Run | Recompute] = []
+    at = start
+    while at < stop:
+        end = draw(st.integers(at + 1, stop))
+        if depth < 2 and draw(st.booleans()):
+            items.append(Recompute(at, end, draw(plans(at, end, depth + 1))))
+        else:
+            items.append(Run(at, end))
+        at = end
+    return Plan(tuple(items))
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(), st.data())
+def test_random_chains_and_segments_match_plain(
+    case: tuple[nn.Sequential, int], data: st.DataObject
+) -> None:
+    model, width = case
+    n = len(model)
+    form = data.draw(st.sampled_from(["count", "sizes", "plan"]))
+    if form == "count":
+        segments: object = data.draw(st.integers(1, n))
+    elif form == "sizes":
+        cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)) if n > 1 else set())
+        bounds = [0, *cuts, n]
+        segments = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    else:
+        segments = data.draw(plans(0, n))
+    x = torch.randn(data.draw(st.integers(2, 6)), width, requires_grad=data.draw(st.booleans()))
+    assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, segments, t))
+
+
+# ------------------------------------------------------------------ threads
+
+
+def _tanh_stack(seed: int) -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)])
+    return model, torch.randn(64, 32)
+
+
+def test_two_threads_train_two_models_at_once() -> None:
+    # Models are built here: the global RNG is shared by threads (as in torch).
+    cases = {seed: _tanh_stack(seed) for seed in (1, 2)}
+    flags: dict[int, list[bool]] = {seed: [] for seed in cases}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def train(seed: int) -> None:
+        model, x = cases[seed]
+        try:
+            barrier.wait()
+            for _ in range(20):
+                checkpoint_sequential(model, 4, x).sum().backward()
+        except BaseException as error:  # reported by the main thread below
+            errors.append(error)
+
+    for seed, (model, _) in cases.items():
+        model[0].register_forward_hook(
+            lambda *_, seed=seed: flags[seed].append(seqckpt.is_recomputing())
+        )
+    threads = [threading.Thread(target=train, args=(seed,)) for seed in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for seed, (model, _) in cases.items():
+        reference, x = _tanh_stack(seed)
+        for _ in range(20):
+            reference(x).sum().backward()
+        for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(got.grad, want.grad)  # type: ignore[arg-type]
+        # is_recomputing() is per thread: each thread saw its own forward (False)
+        # and its own recompute (True) once per step, never the other's.
+        assert flags[seed] == [False, True] * 20
+
+
+# ---------------------------------------------------------------- long runs
+
+
+def test_200_steps_leak_nothing_and_track_the_plain_model() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU()) for _ in range(6)]
+    )
+    ckpt = CheckpointedSequential.from_sequential(
+        __import__("copy").deepcopy(plain), segments=3
+    )
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.01)
+    opt_ckpt = torch.optim.SGD(ckpt.parameters(), lr=0.01)
+    x = torch.randn(32, 16)
+    live = []
+    with seqckpt.track_memory("cpu") as mem:
+        for step in range(200):
+            for model, opt in ((plain, opt_plain), (ckpt, opt_ckpt)):
+                opt.zero_grad(set_to_none=False)
+                model(x).pow(2).mean().backward()
+                opt.step()
+            if step in (10, 199):
+                live.append(mem.live_bytes())
+    assert live[0] == live[1], f"live bytes grew from {live[0]} to {live[1]}"
+    for p, q in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for a, b in zip(plain.buffers(), ckpt.buffers(), strict=True):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------- faults
+
+
+class Fails(nn.Module):
+    """Raises in forward, or only when recomputed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mode = "never"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "forward" or (self.mode == "recompute" and seqckpt.is_recomputing()):
+            raise_original()
+        return torch.dropout(self.lin(x), 0.5, True)
+
+
+def raise_original() -> None:
+    raise ValueError("original failure")
+
+
+@pytest.mark.parametrize("when", ["forward", "recompute"])
+def test_exception_propagates_and_state_is_restored(when: str) -> None:
+    failing = Fails()
+    model = nn.Sequential(nn.Linear(4, 4), failing, nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    failing.mode = when
+    with pytest.raises(ValueError, match="original failure") as info:
+        y = checkpoint_sequential(model, [2, 1], x).sum()  # failing one recomputed
+        rng = torch.get_rng_state()  # reached only when forward succeeds
+        y.backward()
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "raise_original" in frames and "forward" in frames
+    assert torch.is_grad_enabled()
+    assert not torch.is_autocast_enabled("cpu")
+    assert not seqckpt.is_recomputing() and not seqckpt.is_checkpointing()
+    if when == "recompute":  # the recompute replayed the forward's RNG, then undid it
+        assert torch.equal(torch.get_rng_state(), rng)
+    # The next step works and matches the plain run.
+    failing.mode = "never"
+    assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, [2, 1], t))
+
+
+def test_backward_twice_without_retain_graph_raises() -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    y = checkpoint_sequential(model, 2, torch.randn(2, 4, requires_grad=True)).sum()
+    y.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward()
+
+
+# ----------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize("modules", [3, {"a": nn.Linear(2, 2)}, nn.Linear(2, 2), (m for m in [])])
+def test_modules_of_wrong_type(modules: object) -> None:
+    with pytest.raises(TypeError, match=r"^seqckpt: argument 'modules'"):
+        checkpoint_sequential(modules, 1, torch.randn(2, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("modules", [[], nn.Sequential()])
+def test_empty_chain(modules: object) -> None:
+    with pytest.raises(ValueError, match="empty chain"):
+        checkpoint_sequential(modules, 1, torch.randn(2, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("segments", [0, -1, 4, [1, 1], [3, 1]])
+def test_segments_out_of_range(segments: object) -> None:
+    chain = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"^seqckpt: segments") as info:
+        checkpoint_sequential(chain, segments, torch.randn(2, 2))  # type: ignore[arg-type]
+    assert str(segments) in str(info.value) and "3" in str(info.value)
+
+
+@pytest.mark.parametrize("segments", [2.0, True, "2", None, object()])
+def test_segments_of_wrong_type(segments: object) -> None:
+    chain = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(TypeError, match=r"^seqckpt: segments"):
+        checkpoint_sequential(chain, segments, torch.randn(2, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("budget", [0, -1, "0MiB", "lots", True, 1.5])
+def test_bad_budgets(budget: object) -> None:
+    chain = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises((ValueError, TypeError), match=r"^seqckpt: memory_budget"):
+        seqckpt.plan(chain, torch.randn(2, 2), budget)  # type: ignore[arg-type]
+
+
+def test_plan_for_another_chain_length() -> None:
+    chain = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(PlanError, match="3 modules"):
+        checkpoint_sequential(chain, Plan((Run(0, 4),)), torch.randn(2, 2))
+
+
+def test_nan_and_inf_inputs_match_plain() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.GELU())
+    x = torch.randn(3, 4)
+    x[0, 0], x[1, 2] = float("nan"), float("inf")
+    ref = model(x)
+    got = checkpoint_sequential(model, 2, x)
+    assert torch.equal(ref.isnan(), got.isnan())
+    assert torch.equal(ref.nan_to_num(), got.nan_to_num())
+    model.zero_grad()
+    ref.sum().backward()
+    plain_grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    got.sum().backward()
+    for p, g in zip(model.parameters(), plain_grads, strict=True):
+        assert torch.equal(p.grad.isnan(), g.isnan())  # type: ignore[union-attr]
+        assert torch.equal(p.grad.nan_to_num(), g.nan_to_num())  # type: ignore[union-attr]
+
+
+def test_zero_size_batch_matches_plain() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    assert_matches_plain(
+        model, torch.randn(0, 4, requires_grad=True), lambda m, t: checkpoint_sequential(m, 2, t)
+    )
+
+
+def test_mismatched_devices_raise_torchs_error() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        checkpoint_sequential(model, 2, torch.randn(2, 4, device="meta"))
