@@ -24,6 +24,7 @@ def synthetic_chain(n: int) -> ChainProfile:
                 input_bytes=act,
                 output_bytes=act,
                 saved_bytes=act * (2 + i % 2),
+                held_bytes=act * (1 + i % 2),
                 forward_peak_bytes=act * (3 + i % 2),
                 nograd_peak_bytes=act * 2,
                 backward_peak_bytes=act * 3,
@@ -38,7 +39,7 @@ def test_solve(benchmark, layers: int) -> None:  # type: ignore[no-untyped-def]
     prof = synthetic_chain(n)
     model = CostModel.of(prof)
     floor = least_memory(model)[0]
-    top = model.cost((Run(0, n),), model.a[-1])[0]
+    top = model.total((Run(0, n),))[0]
     budget = (floor + top) // 2
     benchmark.group = "solver"
     benchmark.extra_info.update(variant=f"{n} layers", budget_bytes=budget)

@@ -61,7 +61,9 @@ def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
     if kind == "function":
         return _FunctionalChain(model, 2)
     if kind == "plan":
-        return seqckpt.CheckpointedSequential.from_sequential(model, segments=NESTED_PLAN)
+        return seqckpt.CheckpointedSequential.from_sequential(
+            model, segments=NESTED_PLAN
+        )
     raise ValueError(kind)
 
 

@@ -19,6 +19,7 @@ def layer(
         input_bytes=act,
         output_bytes=act,
         saved_bytes=kept,
+        held_bytes=kept,
         forward_peak_bytes=kept,
         nograd_peak_bytes=act,
         backward_peak_bytes=2 * act,

@@ -42,7 +42,9 @@ def run_two_ranks(engine: str, kind: str, options: dict[str, Any]) -> None:
     try:
         while not context.join(timeout=1):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{engine} {kind} {options}: no result in {TIMEOUT_S} s")
+                raise TimeoutError(
+                    f"{engine} {kind} {options}: no result in {TIMEOUT_S} s"
+                )
     finally:
         for process in context.processes:
             if process.is_alive():
@@ -60,7 +62,9 @@ def run_two_ranks(engine: str, kind: str, options: dict[str, Any]) -> None:
     ],
     ids=["plain", "find_unused", "static_graph"],
 )
-def test_ddp_gradients_equal_a_single_process(kind: str, options: dict[str, Any]) -> None:
+def test_ddp_gradients_equal_a_single_process(
+    kind: str, options: dict[str, Any]
+) -> None:
     run_two_ranks("ddp", kind, options)
 
 

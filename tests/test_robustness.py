@@ -102,12 +102,18 @@ def test_random_chains_and_segments_match_plain(
     if form == "count":
         segments: object = data.draw(st.integers(1, n))
     elif form == "sizes":
-        cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)) if n > 1 else set())
+        cuts = sorted(
+            data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1))
+            if n > 1
+            else set()
+        )
         bounds = [0, *cuts, n]
         segments = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
     else:
         segments = data.draw(plans(0, n))
-    x = torch.randn(data.draw(st.integers(2, 6)), width, requires_grad=data.draw(st.booleans()))
+    x = torch.randn(
+        data.draw(st.integers(2, 6)), width, requires_grad=data.draw(st.booleans())
+    )
     assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, segments, t))
 
 
@@ -116,7 +122,9 @@ def test_random_chains_and_segments_match_plain(
 
 def _tanh_stack(seed: int) -> tuple[nn.Sequential, torch.Tensor]:
     torch.manual_seed(seed)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)])
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(8)]
+    )
     return model, torch.randn(64, 32)
 
 
@@ -163,7 +171,10 @@ def test_two_threads_train_two_models_at_once() -> None:
 def test_200_steps_leak_nothing_and_track_the_plain_model() -> None:
     torch.manual_seed(0)
     plain = nn.Sequential(
-        *[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU()) for _ in range(6)]
+        *[
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.GELU())
+            for _ in range(6)
+        ]
     )
     ckpt = CheckpointedSequential.from_sequential(
         __import__("copy").deepcopy(plain), segments=3
@@ -199,7 +210,9 @@ class Fails(nn.Module):
         self.mode = "never"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "forward" or (self.mode == "recompute" and seqckpt.is_recomputing()):
+        if self.mode == "forward" or (
+            self.mode == "recompute" and seqckpt.is_recomputing()
+        ):
             raise_original()
         return torch.dropout(self.lin(x), 0.5, True)
 
@@ -241,7 +254,9 @@ def test_backward_twice_without_retain_graph_raises() -> None:
 # ----------------------------------------------------------- hostile input
 
 
-@pytest.mark.parametrize("modules", [3, {"a": nn.Linear(2, 2)}, nn.Linear(2, 2), (m for m in [])])
+@pytest.mark.parametrize(
+    "modules", [3, {"a": nn.Linear(2, 2)}, nn.Linear(2, 2), (m for m in [])]
+)
 def test_modules_of_wrong_type(modules: object) -> None:
     with pytest.raises(TypeError, match=r"^seqckpt: argument 'modules'"):
         checkpoint_sequential(modules, 1, torch.randn(2, 2))  # type: ignore[arg-type]
@@ -302,7 +317,9 @@ def test_nan_and_inf_inputs_match_plain() -> None:
 def test_zero_size_batch_matches_plain() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     assert_matches_plain(
-        model, torch.randn(0, 4, requires_grad=True), lambda m, t: checkpoint_sequential(m, 2, t)
+        model,
+        torch.randn(0, 4, requires_grad=True),
+        lambda m, t: checkpoint_sequential(m, 2, t),
     )
 
 

@@ -67,8 +67,8 @@ def test_least_memory_is_the_minimum_over_all_plans() -> None:
     prof = chain_profile([layer(a) for a in (5000, 4000, 1000, 3000, 500)])
     model = CostModel.of(prof)
     floor, plan = least_memory(model)
-    best = min(model.cost(items, model.a[-1])[0] for items in all_items(0, 5))
-    assert floor == best == model.cost(plan.items, model.a[-1])[0]
+    best = min(model.total(items)[0] for items in all_items(0, 5))
+    assert floor == best == model.total(plan.items)[0]
 
 
 def test_equal_layers_at_one_extra_forward_need_about_sqrt_2n() -> None:
@@ -86,9 +86,9 @@ def test_equal_layers_at_one_extra_forward_need_about_sqrt_2n() -> None:
         if fastest_plan(prof, u * act).predicted_time <= one_extra_forward  # type: ignore[operator]
     )
     uniform_units = min(
-        model.cost(uniform_plan(n, k).items, act)[0] / act
+        model.total(uniform_plan(n, k).items)[0] / act
         for k in range(1, n + 1)
-        if model.cost(uniform_plan(n, k).items, act)[1] <= one_extra_forward
+        if model.total(uniform_plan(n, k).items)[1] <= one_extra_forward
     )
     # The model adds a few constant units: the output gradient and the
     # backward's temporaries.
@@ -112,7 +112,7 @@ def profiles(draw: st.DrawFn) -> tuple[object, int]:
     prof = chain_profile(layers)
     model = CostModel.of(prof)
     floor, _ = least_memory(model)
-    top = model.cost((Run(0, n),), model.a[-1])[0]
+    top = model.total((Run(0, n),))[0]
     budget = draw(st.integers(floor, max(floor, top)))
     return prof, budget
 
@@ -130,7 +130,7 @@ def test_dp_matches_brute_force(case: tuple[object, int]) -> None:
     # of the budget; every plan clear of that margin must be no faster.
     margin = (n + 2) * budget / DEFAULT_SLOTS
     for items in all_items(0, n):
-        need, seconds = model.cost(items, model.a[-1])
+        need, seconds = model.total(items)
         if need <= budget - margin:
             assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
 

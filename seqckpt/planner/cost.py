@@ -4,11 +4,12 @@ needs at its peak, from a :class:`~seqckpt.planner.profile.ChainProfile`.
 Memory counts what the step allocates beyond the parameters, their gradients and
 the input batch: activations kept for backward, activation gradients and
 temporaries. A sub-chain ``i..l`` is always run with its input stored by the
-caller and the gradient of its output (``a[l+1]`` bytes) counted as live.
+caller and the gradient of its output (``a[l+1]`` bytes) counted as live (for
+the whole chain's output, see :meth:`CostModel.output_grad`).
 
 - keep layer ``i``, then the rest: the forward of ``i`` (gradient of the output
-  live), the rest with layer ``i``'s saved bytes held, the backward of ``i``
-  (output gradient included in its backward peak);
+  live), the rest with layer ``i``'s saved bytes and output held, the backward
+  of ``i`` with what it saved (output gradient included in its backward peak);
 - recompute ``i..j-1``, then the rest: a forward of ``i..j-1`` that keeps
   nothing, the rest with ``x_j`` held, then the inner plan of ``i..j-1`` with
   the gradient of ``x_j`` live.
@@ -36,6 +37,7 @@ class CostModel:
 
     a: list[int]
     kept: list[int]
+    held: list[int]
     forward_peak: list[int]
     nograd_peak: list[int]
     backward_peak: list[int]
@@ -48,6 +50,7 @@ class CostModel:
         return CostModel(
             a=[layers[0].input_bytes] + [p.output_bytes for p in layers],
             kept=[p.saved_bytes for p in layers],
+            held=[p.held_bytes for p in layers],
             forward_peak=[p.forward_peak_bytes for p in layers],
             nograd_peak=[p.nograd_peak_bytes for p in layers],
             backward_peak=[p.backward_peak_bytes for p in layers],
@@ -58,11 +61,22 @@ class CostModel:
     def __len__(self) -> int:
         return len(self.kept)
 
+    def output_grad(self, last: int) -> int:
+        """Bytes of the gradient of layer ``last``'s output that are live while the
+        sub-chain ending there runs. For the chain's own output it is 0: the loss
+        makes that gradient when backward starts, and the last layer's backward
+        peak (measured with such a gradient made inside backward) counts it."""
+        return self.a[last + 1] if last + 1 < len(self) else 0
+
+    def total(self, items: tuple[Item, ...]) -> tuple[int, float]:
+        """(peak bytes, seconds) of a whole-chain plan's items."""
+        return self.cost(items, 0)
+
     def keep_alone(self, i: int, delta: int) -> int:
         """Bytes to run layer ``i`` kept, apart from what the rest needs."""
         return max(
             delta + self.forward_peak[i],
-            self.kept[i] + self.backward_peak[i],
+            self.held[i] + self.backward_peak[i],
         )
 
     def nograd_forward(self, i: int, j: int, delta: int) -> int:
@@ -113,4 +127,4 @@ def plan_cost(plan: Plan, profile: ChainProfile) -> tuple[int, float]:
     """
     plan.check(len(profile))
     model = CostModel.of(profile)
-    return model.cost(plan.items, model.a[-1])
+    return model.total(plan.items)

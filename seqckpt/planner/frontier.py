@@ -122,7 +122,7 @@ def frontier(
     model_costs = CostModel.of(profile)
     n = len(model_costs)
     floor, _ = least_memory(model_costs)
-    top, _ = model_costs.cost((Run(0, n),), model_costs.a[-1])
+    top, _ = model_costs.total((Run(0, n),))
     out = []
     for i in range(points):
         budget = int(floor + (top - floor) * i / max(1, points - 1))

@@ -38,12 +38,15 @@ class LayerProfile:
         backward_time: median seconds of its backward.
         input_bytes: bytes of the tensors it receives.
         output_bytes: bytes of the tensors it returns.
-        saved_bytes: bytes autograd keeps after its forward with grad, output
-            included (its input, held by whoever made it, is not).
+        saved_bytes: bytes alive after its forward with grad: what autograd keeps
+            plus the output (its input, held by whoever made it, is not).
+        held_bytes: of those, what is still held when its backward starts: what
+            autograd keeps, so the output only if the item saved it (tanh does,
+            a linear layer does not).
         forward_peak_bytes: the most bytes its forward with grad allocates at once.
         nograd_peak_bytes: the same for a forward that keeps nothing for backward.
         backward_peak_bytes: the most bytes its backward holds at once beyond
-            what its forward saved: the output gradient, temporaries and the input
+            ``held_bytes``: the output gradient, temporaries and the input
             gradient (saved tensors freed on the way count against it).
     """
 
@@ -53,6 +56,7 @@ class LayerProfile:
     input_bytes: int
     output_bytes: int
     saved_bytes: int
+    held_bytes: int
     forward_peak_bytes: int
     nograd_peak_bytes: int
     backward_peak_bytes: int
@@ -177,9 +181,13 @@ class _OnesGrad(torch.autograd.Function):
         return torch.ones_like(grad, memory_format=torch.contiguous_format)
 
 
-def _backward(out: Any) -> None:
+def _roots(out: Any) -> list[torch.Tensor]:
     apply: Callable[[torch.Tensor], torch.Tensor] = _OnesGrad.apply  # type: ignore[assignment]
-    roots = [apply(t).sum() for t in tensors_in(out) if t.requires_grad]
+    return [apply(t).sum() for t in tensors_in(out) if t.requires_grad]
+
+
+def _backward(out: Any) -> None:
+    roots = _roots(out)
     if roots:
         torch.autograd.backward(roots)
 
@@ -199,14 +207,17 @@ def _profile_item(
         out = item(x)
         forward_peak = mem.peak_so_far()
         saved = mem.live_bytes()
+        output_bytes = _nbytes(out)
+        roots = _roots(out)
+        del out  # in a chain nothing holds the output but what saved it
+        held = mem.live_bytes()
         mem.reset_peak()
-        _backward(out)
+        if roots:
+            torch.autograd.backward(roots)
+        del roots
         # Saved tensors freed during backward count against its peak.
-        backward_peak = max(0, mem.peak_so_far() - saved)
+        backward_peak = max(0, mem.peak_so_far() - held)
     _clear_input_grads(x)
-    output_bytes = _nbytes(out)
-    next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
-    del out
 
     forward_times, backward_times = [], []
     for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -220,7 +231,8 @@ def _profile_item(
         _sync(device)
         backward_times.append(time.perf_counter() - start)
         _clear_input_grads(x)
-        del out
+    next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
+    del out
     name = (
         type(item).__name__
         if isinstance(item, nn.Module)
@@ -233,6 +245,7 @@ def _profile_item(
         input_bytes=_nbytes(x),
         output_bytes=output_bytes,
         saved_bytes=saved,
+        held_bytes=held,
         forward_peak_bytes=forward_peak,
         nograd_peak_bytes=nograd.peak_bytes,
         backward_peak_bytes=backward_peak,

@@ -53,7 +53,7 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
     for d in range(n):
         for i in range(n - d):
             last = i + d
-            delta = model.a[last + 1]
+            delta = model.output_grad(last)
             f = model.forward_time[i]
             keep_time = f + model.backward_time[i]
             if d == 0:
@@ -118,11 +118,11 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
     for d in range(n):
         for i in range(n - d):
             last = i + d
-            delta = model.a[last + 1]
+            delta = model.output_grad(last)
             base = model.forward_time[i] + model.backward_time[i]
             lower = max(
                 _slots(delta + model.forward_peak[i], unit),
-                _slots(model.kept[i] + model.backward_peak[i], unit),
+                _slots(model.held[i] + model.backward_peak[i], unit),
             )
             if d == 0:
                 best = torch.where(s_range >= lower, base, inf)
@@ -197,7 +197,7 @@ def fastest_plan(
     n = len(model)
     keep_all = Plan((Run(0, n),))
     plan: Plan | None = keep_all
-    if budget is not None and model.cost(keep_all.items, model.a[-1])[0] > budget:
+    if budget is not None and model.total(keep_all.items)[0] > budget:
         floor, smallest = least_memory(model)
         if floor > budget:
             raise PlanError(
@@ -210,5 +210,5 @@ def fastest_plan(
         if plan is None:  # rounding to slots lost the last few bytes
             plan = smallest
     assert plan is not None
-    peak, seconds = model.cost(plan.items, model.a[-1])
+    peak, seconds = model.total(plan.items)
     return Plan(plan.items, peak, seconds)
