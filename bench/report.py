@@ -121,7 +121,7 @@ def frontier_table(benchmarks: list[dict[str, Any]]) -> str:
     lines += [
         "",
         "Ratios in parentheses are paired (alternating back-to-back steps, "
-        "median of 15 pairs); the summary uses them.",
+        "median of 11 pairs); the summary uses them.",
         "",
         f"- slowest plan against the uniform run whose peak was its budget: "
         f"{worst[0]:.2f}x ({worst[1]} k={worst[2]}); fastest {best[0]:.2f}x "
@@ -149,13 +149,16 @@ def report(paths: list[Path]) -> str:
         groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for bench in data["benchmarks"]:
             groups[bench["group"] or bench["name"]].append(bench)
-        if all(g.startswith("frontier-") for g in groups):
-            out.append("")
-            out.append(frontier_table(data["benchmarks"]))
-        else:
-            for group, rows in groups.items():
+        frontier = [
+            b for g, rows in groups.items() if g.startswith("frontier-") for b in rows
+        ]
+        for group, rows in groups.items():
+            if not group.startswith("frontier-"):
                 out.append(f"\n#### {group}\n")
                 out.append(group_table(rows))
+        if frontier:
+            out.append("\n#### planner against uniform segments (resnet)\n")
+            out.append(frontier_table(frontier))
         out.append("")
     return "\n".join(out)
 

@@ -98,7 +98,7 @@ def test_frontier(benchmark, k: int, variant: str) -> None:  # type: ignore[no-u
             peak_bytes=peak_bytes(model, x, forward),
             plan=plan.to_json(),
             # time(plan) / time(uniform), measured in alternating pairs
-            paired_ratio=paired_ratio(model, x, forward, uniform(kind, k)[0]),
+            paired_ratio=paired_ratio(model, x, forward, uniform(kind, k)[0], pairs=11),
         )
     else:
         info["peak_bytes"] = peak

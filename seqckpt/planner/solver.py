@@ -81,21 +81,24 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
                     candidate = (need, seconds, j)
             best[i, last] = candidate
 
-    def build(i: int, last: int) -> list[Item]:
-        items: list[Item] = []
-        while True:
-            choice = best[i, last][2]
-            if choice == 0:
-                items.append(Run(i, i + 1))
-                if i == last:
-                    return items
-                i += 1
-            else:
-                inner = Plan(_merge(build(i, choice - 1)))
-                items.append(Recompute(i, choice, inner))
-                i = choice
+    return best[0, n - 1][0], Plan(_merge(_rebuild_least(best, 0, n - 1)))
 
-    return best[0, n - 1][0], Plan(_merge(build(0, n - 1)))
+
+def _rebuild_least(
+    best: dict[tuple[int, int], tuple[int, float, int]], i: int, last: int
+) -> list[Item]:
+    items: list[Item] = []
+    while True:
+        choice = best[i, last][2]
+        if choice == 0:
+            items.append(Run(i, i + 1))
+            if i == last:
+                return items
+            i += 1
+        else:
+            inner = Plan(_merge(_rebuild_least(best, i, choice - 1)))
+            items.append(Recompute(i, choice, inner))
+            i = choice
 
 
 def _slots(nbytes: int, unit: float) -> int:
@@ -163,25 +166,35 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
 
     if not math.isfinite(float(table[0, n - 1, slots])):
         return None
-    choices = choice.tolist()
+    return Plan(_merge(_rebuild(choice.tolist(), kept, a, 0, n - 1, slots)))
 
-    def build(i: int, last: int, s: int) -> list[Item]:
-        items: list[Item] = []
-        while True:
-            c = choices[i][last][s]
-            assert c >= 0, "the DP table led to an infeasible state"
-            if c == 0:
-                items.append(Run(i, i + 1))
-                if i == last:
-                    return items
-                s -= kept[i]
-                i += 1
-            else:
-                items.append(Recompute(i, c, Plan(_merge(build(i, c - 1, s)))))
-                s -= a[c]
-                i = c
 
-    return Plan(_merge(build(0, n - 1, slots)))
+def _rebuild(
+    choices: list[list[list[int]]],
+    kept: list[int],
+    a: list[int],
+    i: int,
+    last: int,
+    s: int,
+) -> list[Item]:
+    """The plan items the DP chose for layers ``i..last`` with ``s`` slots. (A
+    module-level function: a recursive closure would be a reference cycle holding
+    the whole table until the garbage collector runs.)"""
+    items: list[Item] = []
+    while True:
+        c = choices[i][last][s]
+        assert c >= 0, "the DP table led to an infeasible state"
+        if c == 0:
+            items.append(Run(i, i + 1))
+            if i == last:
+                return items
+            s -= kept[i]
+            i += 1
+        else:
+            inner = _rebuild(choices, kept, a, i, c - 1, s)
+            items.append(Recompute(i, c, Plan(_merge(inner))))
+            s -= a[c]
+            i = c
 
 
 def fastest_plan(
