@@ -8,6 +8,7 @@ so the average DDP/FSDP take over ranks is the whole-batch gradient).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -81,6 +82,16 @@ def _init(rank: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
 
 
+def _exit_cleanly() -> None:
+    """Leave a worker whose checks all passed without the interpreter's shutdown:
+    gloo's threads sometimes abort it there ("terminate called without an active
+    exception", SIGABRT) after a run that succeeded. Failures never get here;
+    they raise and the spawner reports them."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def ddp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
     _init(rank, port)
     try:
@@ -101,6 +112,7 @@ def ddp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None
         dist.barrier()  # both ranks done before the group is torn down
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
 
 
 def fsdp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
@@ -125,6 +137,7 @@ def fsdp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> Non
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    _exit_cleanly()
 
 
 WORKERS: dict[str, Callable[..., None]] = {"ddp": ddp_worker, "fsdp": fsdp_worker}

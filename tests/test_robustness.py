@@ -14,6 +14,7 @@ the named type, "correct" means bitwise equal to the plain run):
 | malformed plan JSON (7 shapes)                     | PlanError                  |
 | memory_budget 0, -1, "0MiB", "lots", True, 1.5     | ValueError / TypeError     |
 | profile of another chain                           | PlanError                  |
+| profile/plan/track_memory/validate wrong arguments | TypeError / ValueError     |
 | NaN and inf in the input                           | correct (NaNs in place)    |
 | a zero-size batch                                  | correct                    |
 | input and model on different devices (meta / cpu)  | torch's own error, raised  |
@@ -327,3 +328,35 @@ def test_mismatched_devices_raise_torchs_error() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises((RuntimeError, NotImplementedError)):
         checkpoint_sequential(model, 2, torch.randn(2, 4, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: seqckpt.profile(3, torch.randn(2, 2)), TypeError, "'modules'"),
+        (lambda: seqckpt.profile([], torch.randn(2, 2)), ValueError, "empty chain"),
+        (
+            lambda: seqckpt.profile([nn.Linear(2, 2)], torch.randn(2, 2), repeats=0),
+            ValueError,
+            "repeats",
+        ),
+        (
+            lambda: seqckpt.plan([nn.Linear(2, 2)], None, profile="x"),
+            TypeError,
+            "profile",
+        ),  # type: ignore[arg-type]
+        (lambda: seqckpt.track_memory("mps").__enter__(), ValueError, "'mps'"),
+        (lambda: seqckpt.validate("nope"), ValueError, "unknown --model"),
+    ],
+    ids=[
+        "profile-type",
+        "profile-empty",
+        "profile-repeats",
+        "plan-profile",
+        "memory-device",
+        "validate-model",
+    ],
+)
+def test_other_public_functions_reject_bad_input(call, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=f"^seqckpt: .*{match}"):
+        call()
