@@ -20,6 +20,7 @@ from torch import nn
 import seqckpt
 from seqckpt.models import MODELS
 from seqckpt.planner import ChainProfile, Plan
+from seqckpt.planner.profile import backward_with_loss_grad
 
 SIZES = ("cpu", "gpu", "tiny")
 
@@ -139,24 +140,9 @@ def prepare(model: nn.Sequential) -> None:
             p.grad = torch.zeros_like(p)
 
 
-class _LossGrad(torch.autograd.Function):
-    """Identity whose backward makes a full output gradient inside the engine, as a
-    real loss (cross-entropy, MSE) does: allocated when backward starts, freed
-    once used. ``out.sum().backward()`` alone would hand backward a zero-byte
-    expanded scalar, and ``out.backward(g)`` keeps ``g`` alive throughout."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return torch.ones_like(grad, memory_format=torch.contiguous_format)
-
-
 def step(model: nn.Sequential, x: Any, forward: Forward) -> None:
     """One training step: forward, a loss-like output gradient, backward."""
-    _LossGrad.apply(forward(model, x)).sum().backward()
+    backward_with_loss_grad(forward(model, x))
     if x.grad is not None:
         x.grad = None
 

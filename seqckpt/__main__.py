@@ -15,7 +15,7 @@ import sys
 from typing import Any, NoReturn
 
 from seqckpt.models import MODELS
-from seqckpt.planner import parse_budget, plan, profile
+from seqckpt.planner import PlanError, parse_budget, plan, profile
 from seqckpt.planner.budget import format_bytes
 from seqckpt.planner.frontier import (
     format_frontier,
@@ -128,7 +128,10 @@ def run_plan(args: argparse.Namespace) -> int:
     budget = None if args.budget is None else parse_budget(args.budget, "--budget")
     print(f"seqckpt: profiling {args.model} on {device} ...", file=sys.stderr)
     prof = profile(model, x)
-    chosen = plan(model, x, budget, profile=prof)
+    try:
+        chosen = plan(model, x, budget, profile=prof)
+    except PlanError as error:
+        raise PlanError(str(error).replace("memory_budget=", "--budget ")) from None
     measured = measure_step(model, x, chosen, device)
     if args.json:
         report = chosen.to_dict()

@@ -25,7 +25,7 @@ from torch import nn
 from seqckpt.memory import track_memory
 from seqckpt.planner.budget import format_bytes
 from seqckpt.planner.cost import CostModel
-from seqckpt.planner.profile import ChainProfile
+from seqckpt.planner.profile import ChainProfile, backward_with_loss_grad
 from seqckpt.planner.solver import fastest_plan, least_memory
 from seqckpt.planner.tree import Plan, Run
 
@@ -57,7 +57,8 @@ def measure_step(
     device: str | torch.device,
     repeats: int = 3,
 ) -> StepMeasurement:
-    """Measure one training step (forward, sum, backward) of ``model`` run with
+    """Measure one training step (forward, a loss-like output gradient, backward;
+    see :func:`~seqckpt.planner.profile.backward_with_loss_grad`) of ``model`` run with
     ``segments`` (anything :func:`seqckpt.checkpoint_sequential` takes, or a
     function ``(model, x) -> output``). Parameter gradients are allocated first,
     so the peak is what the step adds, as a memory budget counts it. The model's
@@ -78,7 +79,7 @@ def measure_step(
             p.grad = torch.zeros_like(p)
 
     def step() -> None:
-        forward(model, x).float().sum().backward()
+        backward_with_loss_grad(forward(model, x))
 
     step()  # warm-up
     with track_memory(dev) as mem:

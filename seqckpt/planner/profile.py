@@ -170,7 +170,10 @@ def _sync(device: torch.device) -> None:
 
 class _OnesGrad(torch.autograd.Function):
     """Identity whose backward makes the output gradient (ones) inside the engine,
-    so it is freed as soon as it is used, as it is in a real chain."""
+    so it is allocated when backward starts and freed as soon as it is used, as
+    a real loss (cross-entropy, MSE) does. ``out.sum().backward()`` would hand
+    backward a zero-byte expanded scalar, and ``out.backward(g)`` keeps ``g``
+    alive throughout."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +189,11 @@ def _roots(out: Any) -> list[torch.Tensor]:
     return [apply(t).sum() for t in tensors_in(out) if t.requires_grad]
 
 
-def _backward(out: Any) -> None:
+def backward_with_loss_grad(out: Any) -> None:
+    """Backward from every tensor in ``out`` that requires grad, with an output
+    gradient of ones made the way a real loss makes it (see ``_OnesGrad``). The
+    profile, the frontier measurement and the benchmarks all use it, so they
+    measure the same step."""
     roots = _roots(out)
     if roots:
         torch.autograd.backward(roots)
@@ -227,7 +234,7 @@ def _profile_item(
         _sync(device)
         forward_times.append(time.perf_counter() - start)
         start = time.perf_counter()
-        _backward(out)
+        backward_with_loss_grad(out)
         _sync(device)
         backward_times.append(time.perf_counter() - start)
         _clear_input_grads(x)

@@ -1,0 +1,86 @@
+"""python -m seqckpt profile / plan: output, one-line errors, the frontier."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from seqckpt.__main__ import main
+from seqckpt.models import MODELS
+
+
+def test_profile_prints_one_row_per_item(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "--model", "mlp", "--batch", "8"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "fwd ms" in lines[0] and "saved MiB" in lines[0]
+    assert len(lines) == 1 + len(MODELS["mlp"].build())
+
+
+def test_plan_prints_tree_with_predicted_and_measured(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        main(["plan", "--model", "resnet", "--batch", "2", "--budget", "1.2MiB"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith("Plan for layers 0-13 (predicted peak")
+    assert "recompute" in out
+    assert "predicted: peak" in out and "measured:  peak" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--budget", "1KiB", "--batch", "2"], "--budget 1024 bytes"),
+        (["plan", "--budget", "lots"], "--budget='lots' is not a size"),
+        (["plan", "--model", "nope"], "invalid choice"),
+        (["profile", "--batch", "0"], "--batch must be >= 1"),
+    ],
+)
+def test_plan_errors_are_one_line_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) if "invalid choice" in message else _no_exit():
+        code = main(argv)
+        assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if not line.startswith("seqckpt: profiling")]
+    assert (
+        len(errors) == 1 and errors[0].startswith("seqckpt:") and message in errors[0]
+    )
+
+
+class _no_exit:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def test_plot_without_matplotlib_prints_the_table(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    picture = tmp_path / "frontier.png"
+    assert main(["plan", "--model", "mlp", "--batch", "8", "--plot", str(picture)]) == 0
+    captured = capsys.readouterr()
+    assert "schedule" in captured.out and "torch uniform" in captured.out
+    assert "planned" in captured.out and "seqckpt uniform" in captured.out
+    assert "matplotlib is not installed" in captured.err
+    assert not picture.exists()
+
+
+def test_plot_draws_the_picture_with_matplotlib(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("matplotlib", reason="the optional 'plot' extra")
+    from seqckpt.planner.frontier import FrontierPoint, StepMeasurement, plot_frontier
+
+    points = [
+        FrontierPoint(kind, str(i), StepMeasurement(2**20 * (i + 1), 0.01 * (3 - i)))
+        for kind in ("planned", "seqckpt uniform", "torch uniform")
+        for i in range(3)
+    ]
+    picture = tmp_path / "frontier.png"
+    assert plot_frontier(points, str(picture), "test")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
