@@ -2,13 +2,15 @@
 
 Two chains: 64 tiny blocks (Linear(32, 32) + GELU, batch 8), where the fixed cost
 of each checkpoint dominates, and 6 large blocks (Linear(1024, 1024) + GELU,
-batch 256), where compute dominates. Each variant runs one training step
-(forward, sum, backward) per round.
+batch 256), where compute dominates. Each variant runs one training step per
+round; ``paired_x_plain`` / ``paired_x_torch`` are paired ratios as in
+``bench/test_suite.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,10 +18,11 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
+from bench.workloads import paired_ratio, peak_bytes, run_benchmark, size
 
-Step = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+Block = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
-VARIANTS: dict[str, Step] = {
+VARIANTS: dict[str, Block] = {
     "plain": lambda block, x: block(x),
     "torch_nonreentrant": lambda block, x: tc.checkpoint(block, x, use_reentrant=False),
     "torch_reentrant": lambda block, x: tc.checkpoint(block, x, use_reentrant=True),
@@ -30,31 +33,40 @@ CHAINS = {
     "tiny64": (64, 32, 8),  # blocks, width, batch
     "large6": (6, 1024, 256),
 }
+PAIRS = 11
 
 
-def make_chain(blocks: int, width: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)]
+def every_block(variant: str) -> Callable[[nn.Sequential, Any], Any]:
+    def forward(model: nn.Sequential, x: Any) -> Any:
+        for block in model:
+            x = VARIANTS[variant](block, x)
+        return x
 
-
-def train_step(chain: list[nn.Module], x: torch.Tensor, step: Step) -> None:
-    h = x
-    for block in chain:
-        h = step(block, h)
-    h.sum().backward()
+    return forward
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("chain_name", list(CHAINS))
-def test_every_block_checkpointed(benchmark, chain_name: str, variant: str) -> None:
+def test_every_block_checkpointed(benchmark, chain_name: str, variant: str) -> None:  # type: ignore[no-untyped-def]
     blocks, width, batch = CHAINS[chain_name]
-    chain = make_chain(blocks, width)
-    x = torch.randn(batch, width, requires_grad=True)
-    benchmark.group = f"overhead-{chain_name}"
-    train_step(chain, x, VARIANTS[variant])  # warm up: allocate the .grad fields
-    with seqckpt.track_memory("cpu") as mem:
-        train_step(chain, x, VARIANTS[variant])
-    benchmark.extra_info.update(
-        variant=variant, workload=chain_name, peak_bytes=mem.peak_bytes
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)]
     )
-    benchmark(train_step, chain, x, VARIANTS[variant])
+    x = torch.randn(2 if size() == "tiny" else batch, width, requires_grad=True)
+    forward = every_block(variant)
+    benchmark.group = f"overhead-{chain_name}"
+    info: dict[str, object] = {
+        "variant": variant,
+        "workload": chain_name,
+        "peak_bytes": peak_bytes(model, x, forward),
+    }
+    if variant != "plain":
+        info["paired_x_plain"] = paired_ratio(
+            model, x, forward, every_block("plain"), PAIRS
+        )
+        info["paired_x_torch"] = paired_ratio(
+            model, x, forward, every_block("torch_nonreentrant"), PAIRS
+        )
+    benchmark.extra_info.update(info)
+    run_benchmark(benchmark, model, x, forward)
