@@ -1,7 +1,7 @@
 """Turn pytest-benchmark JSON files into the Markdown tables of bench/README.md.
 
 Usage:
-    python bench/report.py bench/results/suite.json [more.json ...]
+    python bench/report.py bench/results/all.json [more.json ...]
 
 Prints one table per benchmark group: the median step time of each variant as a
 ratio to the plain step and to torch's non-reentrant checkpoint (both measured in
