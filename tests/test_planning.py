@@ -156,3 +156,11 @@ def test_segments_auto_uses_free_cuda_memory() -> None:
     seqckpt.checkpoint_sequential(model, "auto", x).sum().backward()
     (plan,) = _AUTO_CACHE.values()
     assert plan.checkpoints() == 0  # a few KiB fit in any free GPU memory
+
+
+def test_plan_for_a_budget_example_runs() -> None:
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "plan_for_a_budget.py"
+    runpy.run_path(str(path), run_name="__main__")  # asserts inside
