@@ -4,6 +4,7 @@ measured peak is what it predicted."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -164,3 +165,42 @@ def test_plan_for_a_budget_example_runs() -> None:
 
     path = Path(__file__).parent.parent / "examples" / "plan_for_a_budget.py"
     runpy.run_path(str(path), run_name="__main__")  # asserts inside
+
+
+def callables_passing_tuples(lins: nn.ModuleList) -> list[Any]:
+    def split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return lins[0](x), torch.tanh(x)
+
+    def mix(
+        pair: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(lins[1](pair[0])) + pair[1], pair[1]
+
+    def join(pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return lins[2](pair[0]) * torch.sigmoid(lins[3](pair[1]))
+
+    return [split, mix, mix, join]
+
+
+def test_plans_chains_of_callables_passing_tuples() -> None:
+    torch.manual_seed(0)
+    lins = nn.ModuleList([nn.Linear(32, 32) for _ in range(4)])
+    x = torch.randn(64, 32, requires_grad=True)
+    chain = callables_passing_tuples(lins)
+    top = seqckpt.plan(chain, x).predicted_peak_bytes
+    plan = seqckpt.plan(chain, x, int(top * 0.7))
+    assert plan.checkpoints() > 0
+
+    def plain(m: nn.Module, t: torch.Tensor) -> Any:
+        for f in callables_passing_tuples(m):  # type: ignore[arg-type]
+            t = f(t)
+        return t
+
+    assert_matches_plain(
+        lins,
+        x,
+        lambda m, t: seqckpt.checkpoint_sequential(
+            callables_passing_tuples(m), plan, t
+        ),  # type: ignore[arg-type]
+        plain=plain,
+    )
