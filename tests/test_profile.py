@@ -89,3 +89,16 @@ def test_input_without_grad_has_no_input_gradient() -> None:
     without = seqckpt.profile(model, x, repeats=1).layers[0]
     with_grad = seqckpt.profile(model, x.requires_grad_(), repeats=1).layers[0]
     assert with_grad.backward_peak_bytes >= without.backward_peak_bytes + x.nbytes
+
+
+def test_modules_captured_by_plain_callables_are_sandboxed() -> None:
+    lin = nn.Linear(8, 8)
+    bn = nn.BatchNorm1d(8)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return bn(lin(x))
+
+    stats = bn.running_mean.clone()
+    seqckpt.profile([block, torch.tanh], torch.randn(4, 8), repeats=1)
+    assert lin.weight.grad is None and lin.bias.grad is None
+    assert torch.equal(bn.running_mean, stats)

@@ -23,6 +23,7 @@ from torch import nn
 
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.checkpoint import modules_of
 from seqckpt.memory import track_memory
 
 __all__ = ["ChainProfile", "LayerProfile", "profile"]
@@ -140,8 +141,9 @@ def sandbox(
     """Run the block, then put back every buffer, ``.grad``, training flag and the
     global RNG state as they were. Parameters are not written by a forward and
     backward, so they are left alone. Inside, parameter gradients are zero tensors
-    (as in a training loop that keeps them allocated)."""
-    modules = [m for m in chain if isinstance(m, nn.Module)]
+    (as in a training loop that keeps them allocated). Modules are found as the
+    checkpoint finds them: items, bound methods' objects, partials, closures."""
+    modules = [m for item in chain for m in modules_of(item)]
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
     buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
     saved_buffers = [b.detach().clone() for b in buffers]
