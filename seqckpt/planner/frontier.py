@@ -158,7 +158,7 @@ def frontier(
 
 
 def format_frontier(points: list[FrontierPoint]) -> str:
-    """The frontier as a text table, fastest first within each kind."""
+    """The frontier as a text table, one row per measured schedule."""
     lines = [f"{'schedule':<17}{'budget/k':>12}{'peak MiB':>10}{'step ms':>10}"
              f"{'pred MiB':>10}{'pred ms':>10}"]  # fmt: skip
     for p in points:
