@@ -301,4 +301,7 @@ class CheckpointedSequential(nn.Sequential):
         )
 
     def extra_repr(self) -> str:
-        return "" if self.segments is None else f"segments={self.segments!r}"
+        parts = [] if self.segments is None else [f"segments={self.segments!r}"]
+        if self.memory_budget is not None:
+            parts.append(f"memory_budget={self.memory_budget!r}")
+        return ", ".join(parts)
