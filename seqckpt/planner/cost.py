@@ -19,6 +19,7 @@ The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from seqckpt.planner.profile import ChainProfile
@@ -79,13 +80,17 @@ class CostModel:
             self.held[i] + self.backward_peak[i],
         )
 
-    def nograd_forward(self, i: int, j: int, delta: int) -> int:
-        """Bytes to run layers ``i..j-1`` keeping nothing (input of ``i`` not
-        counted, its caller holds it)."""
-        peak = 0
-        for k in range(i, j):
+    def cuts(self, i: int, stop: int) -> Iterator[tuple[int, float, int]]:
+        """For each ``j`` in ``i+1..stop``: ``j``, the seconds of the forward of
+        layers ``i..j-1``, and the bytes of running them keeping nothing (the
+        input of ``i`` not counted: its caller holds it). The solver walks these
+        for every checkpoint it may cut at ``j``."""
+        seconds, peak = 0.0, 0
+        for j in range(i + 1, stop + 1):
+            k = j - 1
+            seconds += self.forward_time[k]
             peak = max(peak, (self.a[k] if k > i else 0) + self.nograd_peak[k])
-        return delta + peak
+            yield j, seconds, peak
 
     def cost(self, items: tuple[Item, ...], delta: int) -> tuple[int, float]:
         """(peak bytes, seconds) of ``items`` with ``delta`` bytes of output
@@ -95,13 +100,12 @@ class CostModel:
         for item in reversed(items):
             if isinstance(item, Recompute):
                 inner_need, inner_time = self.cost(item.inner.items, self.a[item.stop])
-                here = max(
-                    self.nograd_forward(item.start, item.stop, delta), inner_need
-                )
+                *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
+                here = max(delta + nograd, inner_need)
                 if need is not None:
                     here = max(here, self.a[item.stop] + need)
                 need = here
-                seconds += sum(self.forward_time[item.start : item.stop]) + inner_time
+                seconds += forward + inner_time
                 continue
             for i in reversed(range(item.start, item.stop)):
                 here = self.keep_alone(i, delta)

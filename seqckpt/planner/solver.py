@@ -65,14 +65,7 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
                 keep_time + rest_time,
                 0,
             )
-            forward = 0.0
-            nograd = 0
-            for j in range(i + 1, last + 1):
-                k = j - 1
-                forward += model.forward_time[k]
-                nograd = max(
-                    nograd, (model.a[k] if k > i else 0) + model.nograd_peak[k]
-                )
+            for j, forward, nograd in model.cuts(i, last):
                 rest_need, rest_time, _ = best[j, last]
                 inner_need, inner_time, _ = best[i, j - 1]
                 need = max(delta + nograd, model.a[j] + rest_need, inner_need)
@@ -143,13 +136,8 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
             rest = table[js, last].gather(1, shift.clamp(min=0))
             rest = rest.masked_fill(shift < 0, inf)
             inner = table[i, js - 1]
-            forward, nograd, needs, forwards = 0.0, 0, [], []
-            for j in range(i + 1, last + 1):
-                k = j - 1
-                forward += model.forward_time[k]
-                nograd = max(
-                    nograd, (model.a[k] if k > i else 0) + model.nograd_peak[k]
-                )
+            needs, forwards = [], []
+            for _, forward, nograd in model.cuts(i, last):
                 needs.append(_slots(delta + nograd, unit))
                 forwards.append(forward + _REGION_TIE_BREAK)
             total = rest + inner + torch.tensor(forwards, dtype=torch.float64)[:, None]
@@ -211,7 +199,10 @@ def fastest_plan(
     keep_all = Plan((Run(0, n),))
     plan: Plan | None = keep_all
     if budget is not None and model.total(keep_all.items)[0] > budget:
-        floor, smallest = least_memory(model)
+        plan = _solve(model, budget, slots)
+    if plan is None:  # nothing fits, or rounding to slots lost the last bytes
+        assert budget is not None
+        floor, plan = least_memory(model)
         if floor > budget:
             raise PlanError(
                 f"seqckpt: memory_budget={budget} bytes ({format_bytes(budget)}) is "
@@ -219,9 +210,5 @@ def fastest_plan(
                 f"{floor} bytes ({format_bytes(floor)}); give at least that, or a "
                 "smaller batch."
             )
-        plan = _solve(model, budget, slots)
-        if plan is None:  # rounding to slots lost the last few bytes
-            plan = smallest
-    assert plan is not None
     peak, seconds = model.total(plan.items)
     return Plan(plan.items, peak, seconds)
