@@ -67,12 +67,7 @@ def resolve_plan(segments: object, n: int) -> Plan:
                 str(error).replace("segments plan", "segments=plan")
             ) from None
         return segments
-    if isinstance(segments, (bool, float, str)):
-        raise TypeError(
-            "seqckpt: segments must be an int, a list of segment sizes, a Plan or "
-            f"'auto', got {segments!r} ({type(segments).__name__})."
-        )
-    if isinstance(segments, int):
+    if isinstance(segments, int) and not isinstance(segments, bool):
         if not 1 <= segments <= n:
             raise ValueError(
                 f"seqckpt: segments must be between 1 and the number of modules "
@@ -110,13 +105,17 @@ def plan_for(
     (see :func:`seqckpt.planner.planning.auto_plan`)."""
     if segments == "auto":
         return auto_plan(chain, input, memory_budget)
-    if memory_budget is not None:
+    _check_budget_use(segments, memory_budget)
+    return resolve_plan(segments, len(chain))
+
+
+def _check_budget_use(segments: object, memory_budget: object) -> None:
+    if memory_budget is not None and segments != "auto":
         raise ValueError(
             f"seqckpt: memory_budget={memory_budget!r} is only used with "
             f"segments='auto', got segments={segments!r}; pass segments='auto' or "
             "plan with seqckpt.plan(..., memory_budget=...)."
         )
-    return resolve_plan(segments, len(chain))
 
 
 def run_plan(
@@ -250,11 +249,7 @@ class CheckpointedSequential(nn.Sequential):
         _check_arguments(run_plan, preserve_rng_state, determinism_check)
         if memory_budget is not None:
             parse_budget(memory_budget)
-            if segments != "auto":
-                raise ValueError(
-                    f"seqckpt: memory_budget={memory_budget!r} is only used with "
-                    f"segments='auto', got segments={segments!r}."
-                )
+        _check_budget_use(segments, memory_budget)
         if segments is not None and segments != "auto" and len(self) > 0:
             resolve_plan(segments, len(self))  # fail early on a bad value
         self.segments = segments
