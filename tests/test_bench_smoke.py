@@ -13,59 +13,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_benchmark_runs_once_with_tiny_sizes(tmp_path: Path) -> None:
-    env = {**os.environ, "SEQCKPT_BENCH_SIZE": "tiny"}
-    result = subprocess.run(
+def run_bench_pytest(*args: str) -> subprocess.CompletedProcess[str]:
+    """pytest on the benchmark suites with tiny sizes, in a fresh process."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "pytest",
-            "bench",
+            *args,
             "-q",
             "-o",
             "addopts=",
             "-p",
             "no:cacheprovider",
-            "--benchmark-disable",
         ],  # fmt: skip
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "SEQCKPT_BENCH_SIZE": "tiny"},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def test_every_benchmark_runs_once_with_tiny_sizes() -> None:
+    result = run_bench_pytest("bench", "--benchmark-disable")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout
 
 
 def test_report_turns_benchmark_json_into_tables(tmp_path: Path) -> None:
     out = tmp_path / "suite.json"
-    env = {**os.environ, "SEQCKPT_BENCH_SIZE": "tiny"}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "bench/test_suite.py",
-            "-q",
-            "-o",
-            "addopts=",
-            "-p",
-            "no:cacheprovider",
-            "-k",
-            "large6",
-            "--benchmark-enable",
-            "--benchmark-only",
-            "--benchmark-min-rounds=1",
-            "--benchmark-max-time=0.01",
-            f"--benchmark-json={out}",
-        ],  # fmt: skip
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    result = run_bench_pytest(
+        "bench/test_suite.py", "-k", "large6", "--benchmark-enable",
+        "--benchmark-only", "--benchmark-min-rounds=1", "--benchmark-max-time=0.01",
+        f"--benchmark-json={out}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     data = json.loads(out.read_text())
     assert {b["extra_info"]["variant"] for b in data["benchmarks"]} >= {
         "plain", "torch_nonreentrant", "seqckpt", "planned_at_torch_peak",
