@@ -74,6 +74,8 @@ class MemoryStats:
 class _Meter:
     """Live and peak bytes above a baseline, for one device."""
 
+    baseline = 0  # bytes already allocated when measuring began (CUDA)
+
     def live(self) -> int:
         raise NotImplementedError
 
@@ -183,7 +185,7 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryStats]:
         )
     mode = _LiveStorages() if dev.type == "cpu" else None
     meter: _Meter = _CpuMeter(mode) if mode is not None else _CudaMeter(dev)
-    stats = MemoryStats(dev, baseline_bytes=getattr(meter, "baseline", 0), _meter=meter)
+    stats = MemoryStats(dev, baseline_bytes=meter.baseline, _meter=meter)
     try:
         if mode is None:
             yield stats
