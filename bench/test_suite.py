@@ -1,7 +1,7 @@
 """The suite: seqckpt against torch.utils.checkpoint and no checkpointing.
 
 Every workload runs every variant; each benchmark times one training step
-(forward, sum, backward) with pytest-benchmark and stores the step's peak bytes
+(forward, a loss-like output gradient, backward) with pytest-benchmark and stores the step's peak bytes
 (beyond parameters, their gradients and the input; ``seqckpt.track_memory``) in
 ``extra_info``. ``k`` is the workload's default segment count.
 

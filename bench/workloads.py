@@ -20,7 +20,7 @@ from torch import nn
 import seqckpt
 from seqckpt.models import MODELS
 from seqckpt.planner import ChainProfile, Plan
-from seqckpt.planner.profile import backward_with_loss_grad
+from seqckpt.planner.frontier import Forward, measure_peak, training_step
 
 SIZES = ("cpu", "gpu", "tiny")
 
@@ -105,8 +105,6 @@ WORKLOADS: dict[str, Workload] = {
     )
 }
 
-Forward = Callable[[nn.Sequential, Any], Any]
-
 
 def plain(model: nn.Sequential, x: Any) -> Any:
     return model(x)
@@ -133,20 +131,6 @@ def seqckpt_segments(segments: int | Plan) -> Forward:
     return run
 
 
-def prepare(model: nn.Sequential) -> None:
-    """Allocate parameter gradients, so a step's peak is what a budget counts."""
-    for p in model.parameters():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-
-def step(model: nn.Sequential, x: Any, forward: Forward) -> None:
-    """One training step: forward, a loss-like output gradient, backward."""
-    backward_with_loss_grad(forward(model, x))
-    if x.grad is not None:
-        x.grad = None
-
-
 def sync() -> None:
     if device().type == "cuda":
         torch.cuda.synchronize()
@@ -154,11 +138,7 @@ def sync() -> None:
 
 def peak_bytes(model: nn.Sequential, x: Any, forward: Forward) -> int:
     """Peak bytes one step adds beyond parameters, grads and input (warmed up)."""
-    prepare(model)
-    step(model, x, forward)
-    with seqckpt.track_memory(device()) as mem:
-        step(model, x, forward)
-    return mem.peak_bytes
+    return measure_peak(model, x, forward, device())
 
 
 @cache
@@ -183,7 +163,7 @@ def paired_ratio(
         for name, forward in (("a", a), ("b", b)) if i % 2 else (("b", b), ("a", a)):
             sync()
             start = time.perf_counter()
-            step(model, x, forward)
+            training_step(model, x, forward)
             sync()
             times[name] = time.perf_counter() - start
         if i:  # the first pair warms up
@@ -197,7 +177,7 @@ def run_benchmark(
     """Time the step with pytest-benchmark (synchronised on CUDA)."""
 
     def timed() -> None:
-        step(model, x, forward)
+        training_step(model, x, forward)
         sync()
 
     benchmark(timed)

@@ -22,6 +22,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from seqckpt._tree import tensors_in
 from seqckpt.memory import track_memory
 from seqckpt.planner.budget import format_bytes
 from seqckpt.planner.cost import CostModel
@@ -29,7 +30,14 @@ from seqckpt.planner.profile import ChainProfile, backward_with_loss_grad
 from seqckpt.planner.solver import fastest_plan, least_memory
 from seqckpt.planner.tree import Plan, Run
 
-__all__ = ["FrontierPoint", "StepMeasurement", "frontier", "measure_step"]
+__all__ = [
+    "FrontierPoint",
+    "StepMeasurement",
+    "frontier",
+    "measure_peak",
+    "measure_step",
+    "training_step",
+]
 
 
 @dataclass(frozen=True)
@@ -50,19 +58,46 @@ def _torch_uniform(k: int) -> Callable[[nn.Sequential, Any], Any]:
     return run
 
 
+Forward = Callable[[nn.Sequential, Any], Any]
+
+
+def training_step(model: nn.Sequential, x: Any, forward: Forward) -> None:
+    """One training step as the planner counts it: ``forward(model, x)``, a
+    loss-like output gradient, backward (see
+    :func:`~seqckpt.planner.profile.backward_with_loss_grad`); gradients that
+    reached the input are dropped, so steps do not accumulate into them."""
+    backward_with_loss_grad(forward(model, x))
+    for t in tensors_in(x):
+        t.grad = None
+
+
+def measure_peak(
+    model: nn.Sequential, x: Any, forward: Forward, device: str | torch.device
+) -> int:
+    """Peak bytes one warmed-up :func:`training_step` adds beyond the parameters,
+    their gradients (allocated first, as a memory budget leaves them out) and the
+    input."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    training_step(model, x, forward)  # warm-up
+    with track_memory(device) as mem:
+        training_step(model, x, forward)
+    return mem.peak_bytes
+
+
 def measure_step(
     model: nn.Sequential,
     x: Any,
-    segments: int | Plan | Callable[[nn.Sequential, Any], Any],
+    segments: int | Plan | Forward,
     device: str | torch.device,
     repeats: int = 3,
 ) -> StepMeasurement:
-    """Measure one training step (forward, a loss-like output gradient, backward;
-    see :func:`~seqckpt.planner.profile.backward_with_loss_grad`) of ``model`` run with
-    ``segments`` (anything :func:`seqckpt.checkpoint_sequential` takes, or a
-    function ``(model, x) -> output``). Parameter gradients are allocated first,
-    so the peak is what the step adds, as a memory budget counts it. The model's
-    gradients and buffers are changed as by any training step."""
+    """Measure the peak (:func:`measure_peak`) and the median time of ``repeats``
+    :func:`training_step` s of ``model`` run with ``segments`` (anything
+    :func:`seqckpt.checkpoint_sequential` takes, or a function
+    ``(model, x) -> output``). The model's gradients and buffers are changed as
+    by any training step."""
     from seqckpt.sequential import checkpoint_sequential
 
     dev = torch.device(device)
@@ -74,26 +109,17 @@ def measure_step(
         def forward(m: nn.Sequential, t: Any) -> Any:
             return checkpoint_sequential(m, chosen, t)
 
-    for p in model.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
-
-    def step() -> None:
-        backward_with_loss_grad(forward(model, x))
-
-    step()  # warm-up
-    with track_memory(dev) as mem:
-        step()
+    peak = measure_peak(model, x, forward, dev)
     times = []
     for _ in range(repeats):
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         start = time.perf_counter()
-        step()
+        training_step(model, x, forward)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         times.append(time.perf_counter() - start)
-    return StepMeasurement(mem.peak_bytes, statistics.median(times))
+    return StepMeasurement(peak, statistics.median(times))
 
 
 @dataclass(frozen=True)
