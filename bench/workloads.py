@@ -18,6 +18,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
+from seqckpt.memory import sync_device
 from seqckpt.models import MODELS
 from seqckpt.planner import ChainProfile, Plan
 from seqckpt.planner.frontier import Forward, measure_peak, training_step
@@ -131,11 +132,6 @@ def seqckpt_segments(segments: int | Plan) -> Forward:
     return run
 
 
-def sync() -> None:
-    if device().type == "cuda":
-        torch.cuda.synchronize()
-
-
 def peak_bytes(model: nn.Sequential, x: Any, forward: Forward) -> int:
     """Peak bytes one step adds beyond parameters, grads and input (warmed up)."""
     return measure_peak(model, x, forward, device())
@@ -161,10 +157,10 @@ def paired_ratio(
     for i in range(pairs + 1):
         times = {}
         for name, forward in (("a", a), ("b", b)) if i % 2 else (("b", b), ("a", a)):
-            sync()
+            sync_device(device())
             start = time.perf_counter()
             training_step(model, x, forward)
-            sync()
+            sync_device(device())
             times[name] = time.perf_counter() - start
         if i:  # the first pair warms up
             ratios.append(times["a"] / times["b"])
@@ -178,6 +174,6 @@ def run_benchmark(
 
     def timed() -> None:
         training_step(model, x, forward)
-        sync()
+        sync_device(device())
 
     benchmark(timed)

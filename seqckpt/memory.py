@@ -71,6 +71,13 @@ class MemoryStats:
         return self._meter
 
 
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); a no-op on the CPU. Timings and
+    allocator readings are taken after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _Meter:
     """Live and peak bytes above a baseline, for one device."""
 

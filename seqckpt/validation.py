@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from seqckpt.memory import track_memory
+from seqckpt.memory import sync_device, track_memory
 from seqckpt.models import MODELS
 from seqckpt.sequential import checkpoint_sequential
 
@@ -62,11 +62,6 @@ def _step(
     forward(model, x).float().sum().backward()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time(
     model: nn.Module,
     x: torch.Tensor,
@@ -76,10 +71,10 @@ def _time(
 ) -> float:
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         _step(model, x, forward)
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

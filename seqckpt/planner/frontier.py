@@ -23,7 +23,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from seqckpt._tree import tensors_in
-from seqckpt.memory import track_memory
+from seqckpt.memory import sync_device, track_memory
 from seqckpt.planner.budget import format_bytes
 from seqckpt.planner.cost import CostModel
 from seqckpt.planner.profile import ChainProfile, backward_with_loss_grad
@@ -112,12 +112,10 @@ def measure_step(
     peak = measure_peak(model, x, forward, dev)
     times = []
     for _ in range(repeats):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
         start = time.perf_counter()
         training_step(model, x, forward)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        sync_device(dev)
         times.append(time.perf_counter() - start)
     return StepMeasurement(peak, statistics.median(times))
 

@@ -24,7 +24,7 @@ from torch import nn
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.checkpoint import modules_of
-from seqckpt.memory import track_memory
+from seqckpt.memory import sync_device, track_memory
 
 __all__ = ["ChainProfile", "LayerProfile", "profile"]
 
@@ -165,11 +165,6 @@ def sandbox(
         rng.restore()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _OnesGrad(torch.autograd.Function):
     """Identity whose backward makes the output gradient (ones) inside the engine,
     so it is allocated when backward starts and freed as soon as it is used, as
@@ -230,14 +225,14 @@ def _profile_item(
 
     forward_times, backward_times = [], []
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         out = item(x)
-        _sync(device)
+        sync_device(device)
         forward_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         backward_with_loss_grad(out)
-        _sync(device)
+        sync_device(device)
         backward_times.append(time.perf_counter() - start)
         _clear_input_grads(x)
     next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
