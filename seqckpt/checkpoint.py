@@ -10,11 +10,17 @@ forward, so ``torch.autograd.grad``, ``backward(inputs=...)``, parameters that a
 not inputs, double backward and ``retain_graph`` behave as without checkpointing,
 and gradients are bitwise those of the plain run.
 
-Differences from ``torch.utils.checkpoint(use_reentrant=False)``: no early stop
-of the recompute (it uses an exception, which breaks when it crosses TorchScript),
-TorchScript runs unoptimised in the region so both runs save the same tensors,
-module buffers (BatchNorm statistics) are updated once, and the bookkeeping per
-region is a few attribute writes, which is what makes small regions cheap.
+The recompute stops as soon as the last of those tensors is back (an exception
+raised in the saved-tensor hook, recognised also after TorchScript turned it
+into a RuntimeError): the rest of the region would only produce an output that
+is thrown away. That skips the region's last op when it saves only its inputs
+(a Linear, GELU) and, in nested plans, a trailing inner region.
+
+Differences from ``torch.utils.checkpoint(use_reentrant=False)``: TorchScript
+runs unoptimised in the region so both runs save the same tensors (and the stop
+works across it), module buffers (BatchNorm statistics) are updated once, and
+the bookkeeping per region is a few attribute writes, which is what makes small
+regions cheap.
 """
 
 from __future__ import annotations
@@ -66,10 +72,13 @@ def checkpoint(
             the recompute, so dropout draws the same mask. The caller's RNG after
             backward is what the plain run leaves.
         determinism_check: ``"default"`` raises :class:`CheckpointError` when the
-            recompute saves a different number of tensors, or one of another
-            shape, dtype or device; ``"values"`` also fingerprints each saved
-            tensor (a float64 sum and position-weighted sum) and raises when the
-            recomputed values differ; ``"none"`` checks only the count.
+            recompute saves fewer tensors than the forward, or one of another
+            shape, dtype or device (it stops once all are back, so extra work
+            after them is neither run nor counted); ``"values"`` runs the
+            recompute to the end, checks the exact count, and fingerprints each
+            saved tensor (a float64 sum and position-weighted sum), raising
+            when the recomputed values differ; ``"none"`` checks only that no
+            tensor is missing.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
@@ -219,6 +228,10 @@ def _buffers(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
                 found.setdefault(id(b), b)
         todo.extend(m for m in module._modules.values() if m is not None)
     return list(found.values())
+
+
+class _StopRecompute(Exception):
+    """Raised inside a recompute once every saved tensor is back."""
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -387,12 +400,24 @@ class _Region:
         collected: list[torch.Tensor | None] = []
         prints: list[torch.Tensor | None] = []
         fingerprint = self.check == "values"
+        # Stop as soon as the last tensor the forward saved is back: what runs
+        # after it (the region's last op when it saves only its inputs, a
+        # trailing nested region) would be thrown away. "values" runs to the end
+        # so that the count is checked exactly.
+        wanted = len(self.metas) if not fingerprint else -1
+        stopped = False
 
         def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal stopped
             detached = t.detach()
+            if stopped:  # the function caught the stop and went on
+                return detached
             collected.append(t if create_graph else detached)
             if fingerprint:  # now: a saved buffer may change after the recompute
                 prints.append(_fingerprint(detached))
+            if len(collected) == wanted:
+                stopped = True
+                raise _StopRecompute
             return detached
 
         def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -407,12 +432,18 @@ class _Region:
                 b.copy_(pre)
             if self.rng is not None:
                 self.rng.restore()
-            with (
-                _state.replay_ambient(self.ambient, None) or nullcontext(),
-                torch.enable_grad(),
-                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
-            ):
-                self.function(*args, **kwargs)
+            try:
+                with (
+                    _state.replay_ambient(self.ambient, None) or nullcontext(),
+                    torch.enable_grad(),
+                    torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                ):
+                    self.function(*args, **kwargs)
+            except Exception:
+                # Our stop arrives as _StopRecompute, or as a RuntimeError when
+                # it crossed TorchScript; anything raised before it is the user's.
+                if not stopped:
+                    raise
         finally:
             _state.leave("recomputing")
             _state.restore_torchscript(previous)

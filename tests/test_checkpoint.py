@@ -289,14 +289,16 @@ class Flip(nn.Module):
             return x[:1].exp().sum(0)
         if self.mode == "dtype":
             return x.double().exp().float().sum(0)
-        if self.mode == "count":
+        if self.mode == "fewer":
+            return x.sum(0)
+        if self.mode == "more":
             return x.exp().sin().sum(0)
         return (x + 1e-3).exp().sum(0)  # same metadata, other values
 
 
 @pytest.mark.parametrize(
     ("mode", "match"),
-    [("shape", "shape"), ("dtype", "float64"), ("count", "saved 2 tensors")],
+    [("shape", "shape"), ("dtype", "float64"), ("fewer", "saved 0 tensors")],
 )
 def test_default_check_catches_metadata_changes(mode: str, match: str) -> None:
     f = Flip(mode)
@@ -329,10 +331,104 @@ def test_values_check_passes_on_deterministic_function() -> None:
 
 
 def test_none_check_still_counts() -> None:
-    f = Flip("count")
+    f = Flip("fewer")
     y = checkpoint(f, torch.randn(3, 2, requires_grad=True), determinism_check="none")
     f.flip = True
+    with pytest.raises(CheckpointError, match="saved 0 tensors"):
+        y.sum().backward()
+
+
+def test_work_after_the_last_saved_tensor_is_not_recomputed() -> None:
+    # The recompute stops once the forward's saved tensors are back: "more"
+    # does extra work after exp's result, which the default check never sees
+    # (and the gradient, from exp's result, is right); "values" runs to the end
+    # and counts exactly.
+    x = torch.randn(3, 2, requires_grad=True)
+    f = Flip("more")
+    y = checkpoint(f, x)
+    f.flip = True
+    y.sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, x.detach().exp())
+    f.flip = False
+    y = checkpoint(f, x, determinism_check="values")
+    f.flip = True
     with pytest.raises(CheckpointError, match="saved 2 tensors"):
+        y.sum().backward()
+
+
+class CountsFinished(nn.Module):
+    """A matmul that counts the calls that got past it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.finished = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight  # saves x and the weight before computing
+        self.finished += 1
+        return y
+
+
+@pytest.mark.parametrize("scripted_head", [False, True])
+def test_recompute_stops_after_the_last_saved_tensor(scripted_head: bool) -> None:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        head: nn.Module = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        if scripted_head:
+            head = torch.jit.script(head)
+        return nn.Sequential(head, CountsFinished())
+
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_matches_plain(make, x, checkpoint)
+    model = make()
+    y = checkpoint(model, x)
+    assert model[1].finished == 1
+    y.sum().backward()
+    assert model[1].finished == 1  # the recompute stopped inside the tail's matmul
+
+
+def test_recompute_stops_across_torchscript() -> None:
+    # The stop is raised inside the TorchScript interpreter, which turns it into
+    # a RuntimeError; it is still recognised as the stop.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return torch.jit.script(
+            nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        )
+
+    assert_matches_plain(make, torch.randn(3, 4, requires_grad=True), checkpoint)
+
+
+def test_function_that_swallows_the_stop() -> None:
+    class Stubborn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                y = self.lin(x)
+            except Exception:  # catches the recompute's stop and carries on
+                y = self.lin(x)
+            return y.tanh()
+
+    assert_matches_plain(Stubborn(), torch.randn(3, 4, requires_grad=True), checkpoint)
+
+
+def test_user_exception_in_recompute_is_not_taken_for_the_stop() -> None:
+    class FailsLater(nn.Module):
+        fail = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                raise KeyError("boom")
+            return x.exp()
+
+    f = FailsLater()
+    y = checkpoint(f, torch.randn(3, 2, requires_grad=True))
+    f.fail = True
+    with pytest.raises(KeyError, match="boom"):
         y.sum().backward()
 
 
