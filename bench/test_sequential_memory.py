@@ -34,7 +34,7 @@ VARIANTS: dict[str, Callable[[int], Forward]] = {
     "torch_nonreentrant": lambda k: torch_sequential(k, reentrant=False),
     "seqckpt": lambda k: seqckpt_segments(k),
 }
-PAIRS_TIMED = 11
+PAIRS_TIMED = 21
 
 
 def activation_heavy_chain(layers: int, width: int = WIDTH) -> nn.Sequential:
