@@ -184,6 +184,27 @@ def test_nested_checkpoints_match_and_recompute_inner() -> None:
     assert inner.calls == 3
 
 
+def test_trailing_inner_region_is_not_run_by_the_outer_recompute() -> None:
+    head = nn.Linear(8, 8)
+    inner = Counting(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(inner, head(x))
+
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(
+        nn.ModuleList([head, inner]),
+        x,
+        lambda m, x: checkpoint(lambda h: checkpoint(m[1], m[0](h)), x),
+        plain=lambda m, x: m[1](m[0](x)),
+    )
+    inner.calls = 0
+    checkpoint(outer, x).sum().backward()
+    # forward and inner recompute: the outer recompute stops once the inner
+    # region's inputs (its last saved tensors) are back, before running it
+    assert inner.calls == 2
+
+
 def test_double_backward() -> None:
     torch.manual_seed(0)
     f = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1), nn.Sigmoid())
