@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
-from seqckpt.memory import sync_device
+from seqckpt.memory import sync_device, timed
 from seqckpt.models import MODELS
 from seqckpt.planner import ChainProfile, Plan
 from seqckpt.planner.frontier import Forward, measure_peak, training_step
@@ -151,17 +151,13 @@ def paired_ratio(
     """Median over ``pairs`` of time(a) / time(b), each pair measured back to back
     in alternating order, so slow drifts of a shared machine cancel out."""
     import statistics
-    import time
 
     ratios = []
     for i in range(pairs + 1):
         times = {}
         for name, forward in (("a", a), ("b", b)) if i % 2 else (("b", b), ("a", a)):
-            sync_device(device())
-            start = time.perf_counter()
-            training_step(model, x, forward)
-            sync_device(device())
-            times[name] = time.perf_counter() - start
+            step = partial(training_step, model, x, forward)
+            times[name] = timed(step, device())[1]
         if i:  # the first pair warms up
             ratios.append(times["a"] / times["b"])
     return statistics.median(ratios)

@@ -6,15 +6,19 @@ returns, adds its storage's bytes the first time it sees that storage, and a
 finaliser on the storage subtracts them when the storage is freed. Only
 storages created inside the block count, so the figure is what the block added
 on top of what was already alive (parameters, the input batch).
+
+Also the device synchronisation every timing uses (:func:`sync_device`,
+:func:`timed`).
 """
 
 from __future__ import annotations
 
+import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -22,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from seqckpt._tree import tensors_in
 
 __all__ = ["MemoryStats", "track_memory"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -76,6 +82,16 @@ def sync_device(device: torch.device) -> None:
     allocator readings are taken after it."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(run: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """``run()``'s result and its wall-clock seconds, the device synchronised
+    before and after."""
+    sync_device(device)
+    start = time.perf_counter()
+    result = run()
+    sync_device(device)
+    return result, time.perf_counter() - start
 
 
 class _Meter:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import copy
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 from torch import nn
 
-from seqckpt.memory import sync_device, track_memory
+from seqckpt.memory import timed, track_memory
 from seqckpt.models import MODELS
 from seqckpt.sequential import checkpoint_sequential
 
@@ -69,14 +68,9 @@ def _time(
     device: torch.device,
     repeats: int,
 ) -> float:
-    times = []
-    for _ in range(repeats):
-        sync_device(device)
-        start = time.perf_counter()
-        _step(model, x, forward)
-        sync_device(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(
+        timed(lambda: _step(model, x, forward), device)[1] for _ in range(repeats)
+    )
 
 
 def validate_one(

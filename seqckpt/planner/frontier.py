@@ -13,7 +13,6 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +22,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from seqckpt._tree import tensors_in
-from seqckpt.memory import sync_device, track_memory
+from seqckpt.memory import timed, track_memory
 from seqckpt.planner.budget import format_bytes
 from seqckpt.planner.cost import CostModel
 from seqckpt.planner.profile import ChainProfile, backward_with_loss_grad
@@ -110,14 +109,10 @@ def measure_step(
             return checkpoint_sequential(m, chosen, t)
 
     peak = measure_peak(model, x, forward, dev)
-    times = []
-    for _ in range(repeats):
-        sync_device(dev)
-        start = time.perf_counter()
-        training_step(model, x, forward)
-        sync_device(dev)
-        times.append(time.perf_counter() - start)
-    return StepMeasurement(peak, statistics.median(times))
+    seconds = statistics.median(
+        timed(lambda: training_step(model, x, forward), dev)[1] for _ in range(repeats)
+    )
+    return StepMeasurement(peak, seconds)
 
 
 @dataclass(frozen=True)

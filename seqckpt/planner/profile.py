@@ -12,10 +12,10 @@ Example:
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.checkpoint import modules_of
-from seqckpt.memory import sync_device, track_memory
+from seqckpt.memory import timed, track_memory
 
 __all__ = ["ChainProfile", "LayerProfile", "profile"]
 
@@ -225,15 +225,9 @@ def _profile_item(
 
     forward_times, backward_times = [], []
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        sync_device(device)
-        start = time.perf_counter()
-        out = item(x)
-        sync_device(device)
-        forward_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        backward_with_loss_grad(out)
-        sync_device(device)
-        backward_times.append(time.perf_counter() - start)
+        out, seconds = timed(partial(item, x), device)
+        forward_times.append(seconds)
+        backward_times.append(timed(partial(backward_with_loss_grad, out), device)[1])
         _clear_input_grads(x)
     next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
     del out
