@@ -8,6 +8,15 @@ Example:
     >>> y.sum().backward()
 """
 
+import warnings
+
+with warnings.catch_warnings():
+    # torch's CPU wheels run without NumPy but warn "Failed to initialize NumPy"
+    # when it is missing. seqckpt never uses NumPy, so its own import of torch
+    # silences that one message (only when seqckpt is what imports torch first).
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401
+
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import CheckpointError, checkpoint
 from seqckpt.memory import MemoryStats, track_memory

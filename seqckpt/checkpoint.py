@@ -3,12 +3,14 @@
 How it works. The function runs once in forward with autograd on, so the real
 graph is built, but under saved-tensor hooks that replace every tensor autograd
 wants to keep by its index. When backward first needs one of them, the region is
-run again (same RNG, autocast, default device and buffers as the first time) and
-every tensor it saves is collected by index; each node then gets back exactly the
-tensor it saved the first time. The graph that backward walks is the one built in
-forward, so ``torch.autograd.grad``, ``backward(inputs=...)``, parameters that are
-not inputs, double backward and ``retain_graph`` behave as without checkpointing,
-and gradients are bitwise those of the plain run.
+run again (same RNG, autocast, default device, backend switches and buffers as
+the first time) and every tensor it saves is collected by index; each node then
+gets back the tensor it saved the first time (the very object, for tensors that
+do not require grad). The graph that backward walks is the one built in forward,
+so ``torch.autograd.grad``, ``backward(inputs=...)``, parameters that are not
+inputs, double backward, ``retain_graph`` and a backward run *inside* the
+function behave as without checkpointing, and gradients are bitwise those of the
+plain run.
 
 The recompute stops as soon as the last of those tensors is back (an exception
 raised in the saved-tensor hook, recognised also after TorchScript turned it
@@ -18,28 +20,36 @@ is thrown away. That skips the region's last op when it saves only its inputs
 
 Differences from ``torch.utils.checkpoint(use_reentrant=False)``: TorchScript
 runs unoptimised in the region so both runs save the same tensors (and the stop
-works across it), module buffers (BatchNorm statistics) are updated once, and
+works across it), module buffers (BatchNorm statistics) are updated once,
+backend switches (``sdpa_kernel``, TF32, cuDNN, deterministic algorithms) are
+replayed, a saved tensor unpacked twice is recomputed instead of raising, and
 the bookkeeping per region is a few attribute writes, which is what makes small
 regions cheap.
 """
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqckpt import _state
+from seqckpt._buffers import BufferGuard, modules_of, watching_modules
 from seqckpt._tree import replace_tensors, tensors_in
 
 __all__ = ["CheckpointError", "checkpoint"]
 
 DeterminismCheck = Literal["default", "values", "none"]
 _CHECKS = ("default", "values", "none")
+ContextFn = Callable[
+    [], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]
+]
 
 T = TypeVar("T")
 
@@ -49,11 +59,29 @@ class CheckpointError(RuntimeError):
     the inputs of a checkpointed region were modified in place before backward."""
 
 
+@dataclass(frozen=True)
+class Options:
+    """How regions run, checked once (see :func:`checkpoint` for each)."""
+
+    preserve_rng_state: bool = True
+    determinism_check: DeterminismCheck = "default"
+    context_fn: ContextFn | None = None
+    debug: bool = False
+    early_stop: bool = True
+
+
+DEFAULT_OPTIONS = Options()
+
+
 def checkpoint(
     function: Callable[..., T],
     *args: Any,
-    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    context_fn: ContextFn | None = None,
     determinism_check: DeterminismCheck = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
     **kwargs: Any,
 ) -> T:
     """Call ``function(*args, **kwargs)`` without keeping its activations.
@@ -63,30 +91,48 @@ def checkpoint(
     inputs are held. Gradients, outputs and module buffers are bitwise those of
     the plain call on CPU.
 
+    It takes the keywords of ``torch.utils.checkpoint.checkpoint`` and never
+    passes them on to ``function``, so it drops in where torch's is called
+    (HF ``gradient_checkpointing_func``, timm, Lightning).
+
     Args:
         function: any callable: an ``nn.Module``, a TorchScript module, a function.
         *args: positional arguments; tensors may sit in nested tuples, lists and
             dicts, and need not require grad (parameters used by ``function``
             still get their gradients).
-        preserve_rng_state: replay the CPU and accelerator RNG of the first run in
-            the recompute, so dropout draws the same mask. The caller's RNG after
-            backward is what the plain run leaves.
+        use_reentrant: accepted for compatibility with torch and ignored:
+            seqckpt has one implementation, which has none of the limits of
+            torch's reentrant variant (``True``) and matches its non-reentrant
+            one (``False``) in what it supports. Both values give the same
+            result.
+        context_fn: as in torch: a callable returning two context managers,
+            the first entered around the forward, the second around each
+            recompute. torch's selective checkpointing
+            (``functools.partial(create_selective_checkpoint_contexts, policy)``)
+            works with it unchanged.
         determinism_check: ``"default"`` raises :class:`CheckpointError` when the
             recompute saves fewer tensors than the forward, or one of another
             shape, dtype or device (it stops once all are back, so extra work
             after them is neither run nor counted); ``"values"`` runs the
-            recompute to the end, checks the exact count, and fingerprints each
-            saved tensor (a float64 sum and position-weighted sum), raising
-            when the recomputed values differ; ``"none"`` checks only that no
-            tensor is missing.
+            recompute to the end, checks the exact count, fingerprints each
+            saved tensor (sums in float64, without copies) and compares them
+            once per region, and keeps the first-run value of every
+            floating-point buffer; ``"none"`` checks only that no tensor is
+            missing. torch accepts ``"default"`` and ``"none"``.
+        debug: record the aten ops of the forward and of the recompute, and
+            name the first place they differ in a :class:`CheckpointError`.
+        early_stop: stop the recompute once every saved tensor is back (the
+            default); ``False`` runs the function to its end.
+        preserve_rng_state: replay the CPU and accelerator RNG of the first run in
+            the recompute, so dropout draws the same mask. The caller's RNG after
+            backward is what the plain run leaves.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
         Whatever ``function`` returns (tensors, containers, non-tensors).
 
     Raises:
-        TypeError: ``function`` is not callable or ``preserve_rng_state`` is not
-            a bool.
+        TypeError: ``function`` is not callable, or a flag is not a bool.
         ValueError: unknown ``determinism_check``.
         CheckpointError: in backward, when the recompute differs from the forward
             or an input was modified in place after the call.
@@ -95,48 +141,99 @@ def checkpoint(
     Under ``torch.compile`` it becomes torch's own checkpoint operator, which the
     compiler turns into recomputation in the compiled backward.
 
-    Module buffers are protected from double updates for the modules reachable
-    from ``function``: the function itself, the object of a bound method, the
-    callable and arguments of a ``functools.partial``, and modules captured in a
-    closure. Buffers of modules reached only through globals are not.
+    Module buffers are protected from double updates for every module the
+    function calls, however it reaches it (argument, closure, container of
+    modules, attribute, global): a forward pre-hook watches the first run.
 
     Example:
         >>> import torch, seqckpt
         >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
         >>> x = torch.randn(4, 8, requires_grad=True)
-        >>> y = seqckpt.checkpoint(block, x)
+        >>> y = seqckpt.checkpoint(block, x, use_reentrant=False)
         >>> y.sum().backward()
         >>> x.grad.shape
         torch.Size([4, 8])
     """
-    if torch.compiler.is_compiling():
-        return _compiled_checkpoint(function, args, kwargs, preserve_rng_state)
-    _check_arguments(function, preserve_rng_state, determinism_check)
-    if not torch.is_grad_enabled():
-        return function(*args, **kwargs)
-    result: T = _Region(
-        function, args, kwargs, preserve_rng_state, determinism_check, None
-    ).run()
-    return result
+    options = make_options(
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        context_fn=context_fn,
+        debug=debug,
+        early_stop=early_stop,
+        use_reentrant=use_reentrant,
+    )
+    _check_function(function)
+    return run_region(function, args, kwargs, options)
+
+
+def make_options(
+    *,
+    preserve_rng_state: object = True,
+    determinism_check: object = "default",
+    context_fn: object = None,
+    debug: object = False,
+    early_stop: object = True,
+    use_reentrant: object = None,
+) -> Options:
+    """Check the options of a checkpoint call; the default options are shared."""
+    for name, value in (
+        ("preserve_rng_state", preserve_rng_state),
+        ("debug", debug),
+        ("early_stop", early_stop),
+    ):
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"seqckpt: argument '{name}' must be True or False, got {value!r}."
+            )
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(
+            "seqckpt: argument 'use_reentrant' must be True, False or None (it is "
+            f"accepted for torch compatibility and ignored), got {use_reentrant!r}."
+        )
+    if determinism_check not in _CHECKS:
+        raise ValueError(
+            "seqckpt: argument 'determinism_check' must be one of "
+            f"{', '.join(repr(c) for c in _CHECKS)}, got {determinism_check!r}."
+        )
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(
+            "seqckpt: argument 'context_fn' must be a callable returning two "
+            f"context managers (forward, recompute), got {context_fn!r}."
+        )
+    options = Options(
+        preserve_rng_state,  # type: ignore[arg-type]
+        determinism_check,  # type: ignore[arg-type]
+        context_fn,  # type: ignore[arg-type]
+        debug,  # type: ignore[arg-type]
+        early_stop,  # type: ignore[arg-type]
+    )
+    return DEFAULT_OPTIONS if options == DEFAULT_OPTIONS else options
+
+
+def _check_function(function: object) -> None:
+    if not callable(function):
+        raise TypeError(
+            "seqckpt: argument 'function' must be callable (a module or a function), "
+            f"got {function!r} of type {type(function).__name__}; "
+            "call it as seqckpt.checkpoint(block, x)."
+        )
 
 
 def run_region(
     function: Callable[..., T],
     args: tuple[Any, ...],
-    *,
-    modules: Iterable[nn.Module],
-    preserve_rng_state: bool,
-    determinism_check: DeterminismCheck,
+    kwargs: dict[str, Any],
+    options: Options,
+    modules: Iterable[nn.Module] | None = None,
 ) -> T:
-    """:func:`checkpoint` for callers that already validated the arguments and
-    know which modules ``function`` runs (their buffers are protected)."""
+    """:func:`checkpoint` for callers that already checked the function and
+    built the options; ``modules``: the modules ``function`` runs, when the
+    caller knows them (the plan executor), else they are read off ``function``."""
     if torch.compiler.is_compiling():
-        return _compiled_checkpoint(function, args, {}, preserve_rng_state)
+        return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
-        return function(*args)
-    result: T = _Region(
-        function, args, {}, preserve_rng_state, determinism_check, modules
-    ).run()
+        return function(*args, **kwargs)
+    result: T = _Region(function, args, kwargs, options, modules).run()
     return result
 
 
@@ -144,90 +241,24 @@ def _compiled_checkpoint(
     function: Callable[..., T],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    preserve_rng_state: bool,
+    options: Options,
 ) -> T:
     # Dynamo turns torch's non-reentrant checkpoint into the
     # tag_activation_checkpoint operator; the partitioner then recomputes.
     import torch.utils.checkpoint as torch_checkpoint
 
+    extra: dict[str, Any] = {}
+    if options.context_fn is not None:
+        extra["context_fn"] = options.context_fn
     result: T = torch_checkpoint.checkpoint(
         function,
         *args,
         use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
+        preserve_rng_state=options.preserve_rng_state,
+        **extra,
         **kwargs,
     )
     return result
-
-
-def _check_arguments(
-    function: object, preserve_rng_state: object, determinism_check: object
-) -> None:
-    if not callable(function):
-        raise TypeError(
-            "seqckpt: argument 'function' must be callable (a module or a function), "
-            f"got {function!r} of type {type(function).__name__}; "
-            "call it as seqckpt.checkpoint(block, x)."
-        )
-    if not isinstance(preserve_rng_state, bool):
-        raise TypeError(
-            "seqckpt: argument 'preserve_rng_state' must be True or False, "
-            f"got {preserve_rng_state!r}."
-        )
-    if determinism_check not in _CHECKS:
-        raise ValueError(
-            "seqckpt: argument 'determinism_check' must be one of "
-            f"{', '.join(repr(c) for c in _CHECKS)}, got {determinism_check!r}."
-        )
-
-
-def modules_of(function: object) -> list[nn.Module]:
-    """The modules a callable visibly runs: itself, a bound method's object, a
-    partial's callable and arguments, and modules captured in a closure."""
-    if isinstance(function, nn.Module):
-        return [function]
-    found: list[nn.Module] = []
-    _visit(function, 3, found)
-    return found
-
-
-def _visit(obj: object, depth: int, found: list[nn.Module]) -> None:
-    # A module-level function, not a closure: a recursive closure is a reference
-    # cycle that only the garbage collector frees.
-    if isinstance(obj, nn.Module):
-        found.append(obj)
-    elif depth > 0:
-        if isinstance(obj, functools.partial):
-            _visit(obj.func, depth - 1, found)
-            for a in (*obj.args, *obj.keywords.values()):
-                _visit(a, depth - 1, found)
-        elif hasattr(obj, "__self__"):
-            _visit(obj.__self__, depth - 1, found)
-        closure = getattr(obj, "__closure__", None)
-        for cell in closure or ():
-            try:
-                _visit(cell.cell_contents, depth - 1, found)
-            except ValueError:  # an empty cell
-                continue
-
-
-def _buffers(modules: Iterable[nn.Module]) -> list[torch.Tensor]:
-    """Every buffer of ``modules`` and their children, each once. Walks the
-    ``_modules`` dicts directly: ``Module.buffers()`` costs microseconds per call,
-    which matters when every small block is a region."""
-    found: dict[int, torch.Tensor] = {}
-    visited: set[int] = set()
-    todo = list(modules)
-    while todo:
-        module = todo.pop()
-        if id(module) in visited:
-            continue
-        visited.add(id(module))
-        for b in module._buffers.values():
-            if b is not None:
-                found.setdefault(id(b), b)
-        todo.extend(m for m in module._modules.values() if m is not None)
-    return list(found.values())
 
 
 class _StopRecompute(Exception):
@@ -248,22 +279,104 @@ class _SaveInputs(torch.autograd.Function):
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
+class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Records the name of every aten op run under it (``debug=True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _op_difference(forward: list[str], recompute: list[str]) -> str:
+    at = next(
+        (i for i, (a, b) in enumerate(zip(forward, recompute, strict=False)) if a != b),
+        min(len(forward), len(recompute)),
+    )
+    window = slice(max(0, at - 3), at + 3)
+    return (
+        f"\nseqckpt debug: the forward ran {len(forward)} ops, the recompute "
+        f"{len(recompute)}; they first differ at op #{at}.\n"
+        f"  forward   ops #{window.start}..: {', '.join(forward[window]) or '-'}\n"
+        f"  recompute ops #{window.start}..: {', '.join(recompute[window]) or '-'}"
+    )
+
+
 def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
+    """Three float64 numbers that change when any value of ``t`` does: the sum,
+    and position-weighted sums of its sums along two groups of dimensions.
+    Reductions accumulate in float64 without a float64 copy of ``t``; the only
+    temporaries are the two vectors of partial sums."""
     if t.is_sparse or t.is_quantized or t.is_meta or t.numel() == 0:
         return None
-    flat = t.detach()
-    if flat.is_complex():
-        flat = torch.view_as_real(flat)
-    flat = flat.reshape(-1).to(torch.float64)
-    ramp = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-    return torch.stack((flat.sum(), (flat * ramp).sum()))
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dim() < 2:
+        n = x.numel()
+        width = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+        x = x.reshape(n // width, width)
+    k = _balanced_split(x.shape)
+    f64 = torch.float64
+    rows = x.sum(dim=tuple(range(k, x.dim())), dtype=f64).reshape(-1)
+    cols = x.sum(dim=tuple(range(k)), dtype=f64).reshape(-1)
+    return torch.stack(
+        (
+            rows.sum(),
+            (
+                rows * torch.arange(1, rows.numel() + 1, dtype=f64, device=x.device)
+            ).sum(),
+            (
+                cols * torch.arange(1, cols.numel() + 1, dtype=f64, device=x.device)
+            ).sum(),
+        )
+    )
+
+
+def _balanced_split(shape: torch.Size) -> int:
+    """The ``k`` in 1..ndim-1 for which dimensions ``[:k]`` and ``[k:]`` hold
+    the most even numbers of elements."""
+    total = math.prod(shape)
+    left, best, best_k = 1, None, 1
+    for k in range(1, len(shape)):
+        left *= shape[k - 1]
+        worst = max(left, total // left if left else 0)
+        if best is None or worst < best:
+            best, best_k = worst, k
+    return best_k
+
+
+def _first_mismatch(
+    before: list[torch.Tensor | None], after: list[torch.Tensor | None]
+) -> int | None:
+    """Index of the first saved tensor whose fingerprints differ, with one
+    device synchronisation per device the fingerprints live on."""
+    groups: dict[torch.device, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]
+    groups = {}
+    for i, (a, b) in enumerate(zip(before, after, strict=False)):
+        if a is not None and b is not None:
+            indices, xs, ys = groups.setdefault(a.device, ([], [], []))
+            indices.append(i)
+            xs.append(a)
+            ys.append(b)
+    found: list[int] = []
+    for indices, xs, ys in groups.values():
+        a, b = torch.stack(xs), torch.stack(ys)
+        differs = ((a != b) & ~(a.isnan() & b.isnan())).any(dim=1)
+        found.extend(indices[i] for i in differs.nonzero().flatten().tolist())
+    return min(found) if found else None
+
+
+_EMPTY = torch.empty(0)
 
 
 def _placeholders(obj: Any) -> list[torch.Tensor]:
     return [_EMPTY] * len(tensors_in(obj))
-
-
-_EMPTY = torch.empty(0)
 
 
 def _describe(meta: tuple[torch.Size, torch.dtype, torch.device]) -> str:
@@ -284,16 +397,19 @@ class _Region:
         "function",
         "args",
         "kwargs",
+        "options",
         "inputs",
         "versions",
         "saver",
         "rng",
         "ambient",
-        "check",
         "metas",
         "prints",
         "recomputed",
-        "buffers",
+        "guard",
+        "in_forward",
+        "recompute_context",
+        "forward_ops",
     )
 
     def __init__(
@@ -301,21 +417,25 @@ class _Region:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        preserve_rng_state: bool,
-        check: DeterminismCheck,
+        options: Options,
         modules: Iterable[nn.Module] | None,
     ) -> None:
         self.function = function
-        self.check = check
+        self.options = options
         self.metas: list[Any] = []
         self.prints: list[torch.Tensor | None] = []
         self.recomputed: list[torch.Tensor | None] | None = None
+        self.in_forward = False
+        self.recompute_context: AbstractContextManager[Any] | None = None
+        self.forward_ops: list[str] | None = None
         inputs = tensors_in(args) if args else []
         if kwargs:
             tensors_in(kwargs, inputs)
         devices = _state.accelerator_devices(inputs)
-        self.rng = _state.RngState.capture(devices) if preserve_rng_state else None
-        self.ambient = _state.capture_ambient(devices)
+        self.rng = (
+            _state.RngState.capture(devices) if options.preserve_rng_state else None
+        )
+        self.ambient = _state.Ambient(devices)
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
             # Not nested: hold the inputs directly and watch their versions.
             self.inputs: list[torch.Tensor] | None = inputs
@@ -329,37 +449,64 @@ class _Region:
             self.inputs = None
             self.versions = None
         self.args, self.kwargs = args, kwargs
-        mods = modules_of(function) if modules is None else modules
-        self.buffers = [(b, b.clone()) for b in _buffers(mods)]
+        self.guard = BufferGuard(conservative=options.determinism_check == "values")
+        for module in modules_of(function) if modules is None else modules:
+            self.guard.watch(module)
 
     # ------------------------------------------------------------------ forward
 
     def run(self) -> Any:
+        options = self.options
+        extra: ExitStack | None = None
+        if options.context_fn is not None or options.debug or self.guard.conservative:
+            extra = ExitStack()
+            if self.guard.conservative:  # every module called, however reached
+                extra.enter_context(watching_modules(self.guard.watch))
+            if options.context_fn is not None:
+                forward_context, self.recompute_context = options.context_fn()
+                extra.enter_context(forward_context)
+            if options.debug:
+                log = extra.enter_context(_OpLog())
         previous = _state.plain_torchscript()
         _state.enter("checkpointing")
+        self.in_forward = True
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            if extra is None:
                 output = self.function(*self.args, **self.kwargs)
+            else:
+                with extra:
+                    output = self.function(*self.args, **self.kwargs)
         finally:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.in_forward = False
+            self.recomputed = None  # tensors recomputed for a backward run inside
             _state.leave("checkpointing")
             _state.restore_torchscript(previous)
+            self.guard.settle()
             if self.saver is not None:
                 # The saver node holds the inputs now; drop our references.
                 self.args = replace_tensors(self.args, _placeholders(self.args))
                 self.kwargs = replace_tensors(self.kwargs, _placeholders(self.kwargs))
-        # Keep the first-run values only of buffers the forward changed. Kernels
-        # such as batch norm update running statistics without bumping the
-        # version counter, so compare values, not versions.
-        self.buffers = [e for e in self.buffers if not torch.equal(e[0], e[1])]
+        if self.inputs and [t._version for t in self.inputs] != self.versions:
+            raise CheckpointError(
+                f"seqckpt: checkpointed {_name(self.function)} modified its own "
+                "input in place (e.g. nn.ReLU(inplace=True) as its first layer), so "
+                "its recompute would start from the modified values. Start the "
+                "checkpointed stretch after that operation, or make it out of place."
+            )
+        if options.debug:
+            self.forward_ops = log.ops
         return output
 
     def _pack(self, t: torch.Tensor) -> int:
         index = len(self.metas)
-        if self.check == "none":
+        check = self.options.determinism_check
+        if check == "none":
             self.metas.append(None)
         else:
             self.metas.append((t.shape, t.dtype, t.device))
-            if self.check == "values":
+            if check == "values":
                 self.prints.append(_fingerprint(t))
         return index
 
@@ -367,26 +514,29 @@ class _Region:
 
     def _unpack(self, index: int) -> torch.Tensor:
         saved = self.recomputed
-        if saved is None or saved[index] is None:
+        if saved is None or index >= len(saved) or saved[index] is None:
             saved = self.recomputed = self._recompute()
         t = saved[index]
-        saved[index] = None  # each saved tensor is unpacked once per backward
+        saved[index] = None  # each saved tensor is unpacked once per recompute
         assert t is not None
         return t
 
     def _current_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.saver is None:
             assert self.inputs is not None and self.versions is not None
-            for i, (t, v) in enumerate(zip(self.inputs, self.versions, strict=False)):
-                if t._version != v:
-                    raise CheckpointError(
-                        f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
-                        f"checkpointed {_name(self.function)} was modified in place "
-                        "after it was passed in, so the recompute would see other "
-                        "values. Pass a clone, or move the in-place operation out of "
-                        "the checkpointed function (e.g. nn.ReLU(inplace=False) as "
-                        "its first layer)."
-                    )
+            if [t._version for t in self.inputs] != self.versions:
+                i, t = next(
+                    (i, t)
+                    for i, (t, v) in enumerate(zip(self.inputs, self.versions))  # noqa: B905
+                    if t._version != v
+                )
+                raise CheckpointError(
+                    f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
+                    f"checkpointed {_name(self.function)} was modified in place "
+                    "after it was passed in, so the recompute would see other "
+                    "values. Pass a clone, or move the in-place operation after "
+                    "the backward."
+                )
             return self.args, self.kwargs
         assert self.saver.grad_fn is not None
         tensors = list(self.saver.grad_fn.saved_tensors)
@@ -395,16 +545,20 @@ class _Region:
         )
 
     def _recompute(self) -> list[torch.Tensor | None]:
+        options = self.options
         create_graph = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
         collected: list[torch.Tensor | None] = []
         prints: list[torch.Tensor | None] = []
-        fingerprint = self.check == "values"
+        fingerprint = options.determinism_check == "values"
         # Stop as soon as the last tensor the forward saved is back: what runs
         # after it (the region's last op when it saves only its inputs, a
-        # trailing nested region) would be thrown away. "values" runs to the end
-        # so that the count is checked exactly.
-        wanted = len(self.metas) if not fingerprint else -1
+        # trailing nested region) would be thrown away. "values" and
+        # early_stop=False run to the end so that the count is checked exactly.
+        # A recompute asked for while the forward still runs (a backward inside
+        # the function) always stops where the forward is now.
+        run_to_end = not self.in_forward and (fingerprint or not options.early_stop)
+        wanted = -1 if run_to_end else len(self.metas)
         stopped = False
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -412,7 +566,9 @@ class _Region:
             detached = t.detach()
             if stopped:  # the function caught the stop and went on
                 return detached
-            collected.append(t if create_graph else detached)
+            # Tensors that do not require grad come back as the very object
+            # saved (identity and Python attributes kept, as without hooks).
+            collected.append(t if create_graph or not t.requires_grad else detached)
             if fingerprint:  # now: a saved buffer may change after the recompute
                 prints.append(_fingerprint(detached))
             if len(collected) == wanted:
@@ -420,56 +576,80 @@ class _Region:
                 raise _StopRecompute
             return detached
 
-        def unpack(t: torch.Tensor) -> torch.Tensor:
-            return t
-
+        extra: ExitStack | None = None
+        if self.recompute_context is not None or options.debug:
+            extra = ExitStack()
+            if self.recompute_context is not None:
+                extra.enter_context(self.recompute_context)
+            if options.debug:
+                log = extra.enter_context(_OpLog())
         caller_rng = self.rng.current() if self.rng is not None else None
-        post = [(b, b.clone()) for b, _ in self.buffers]
+        undo = ambient = None
+        grad_mode = torch.is_grad_enabled()
         previous = _state.plain_torchscript()
         _state.enter("recomputing")
         try:
-            for b, pre in self.buffers:
-                b.copy_(pre)
+            undo = self.guard.replay()
             if self.rng is not None:
                 self.rng.restore()
+            ambient = self.ambient.replay()
+            torch.set_grad_enabled(True)
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, _identity)
             try:
-                with (
-                    _state.replay_ambient(self.ambient, None) or nullcontext(),
-                    torch.enable_grad(),
-                    torch.autograd.graph.saved_tensors_hooks(pack, unpack),
-                ):
+                if extra is None:
                     self.function(*args, **kwargs)
+                else:
+                    with extra:
+                        self.function(*args, **kwargs)
             except Exception:
                 # Our stop arrives as _StopRecompute, or as a RuntimeError when
                 # it crossed TorchScript; anything raised before it is the user's.
                 if not stopped:
                     raise
+            finally:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
         finally:
+            torch.set_grad_enabled(grad_mode)
+            _state.Ambient.undo(ambient)
             _state.leave("recomputing")
             _state.restore_torchscript(previous)
             if caller_rng is not None:
                 caller_rng.restore()
-            with torch.no_grad():
-                for b, value in post:
-                    b.copy_(value)
-        self._verify(collected, prints)
+            if undo is not None:
+                self.guard.restore(undo)
+        self._verify(collected, prints, log.ops if options.debug else None)
         return collected
 
     def _verify(
-        self, collected: list[torch.Tensor | None], prints: list[torch.Tensor | None]
+        self,
+        collected: list[torch.Tensor | None],
+        prints: list[torch.Tensor | None],
+        recompute_ops: list[str] | None,
     ) -> None:
+        check = self.options.determinism_check
+        count_ok = len(collected) == len(self.metas)
+        metas_ok = check == "none" or (
+            count_ok and [(t.shape, t.dtype, t.device) for t in collected] == self.metas  # type: ignore[union-attr]
+        )
+        bad = None
+        if check == "values" and count_ok and metas_ok:
+            bad = _first_mismatch(self.prints, prints)
+        if count_ok and metas_ok and bad is None:
+            return
         name = _name(self.function)
-        if len(collected) != len(self.metas):
+        debug = ""
+        if recompute_ops is not None and self.forward_ops is not None:
+            debug = _op_difference(self.forward_ops, recompute_ops)
+        if not count_ok:
             raise CheckpointError(
                 f"seqckpt: the recompute of checkpointed {name} saved "
                 f"{len(collected)} tensors for backward, but its forward saved "
                 f"{len(self.metas)}. The function must do the same work twice: make "
                 "any state it branches on (flags, Python randomness, data-dependent "
-                "control flow) the same in backward, or do not checkpoint it."
+                "control flow) the same in backward, or do not checkpoint it "
+                "(debug=True names the first op that differs)." + debug
             )
-        if self.check == "none":
-            return
-        for i, (t, meta) in enumerate(zip(collected, self.metas, strict=False)):
+        for i, (t, meta) in enumerate(zip(collected, self.metas, strict=True)):
             assert t is not None
             now = (t.shape, t.dtype, t.device)
             if now != meta:
@@ -477,18 +657,20 @@ class _Region:
                     f"seqckpt: saved tensor #{i} of checkpointed {name} differs "
                     f"between forward ({_describe(meta)}) and recompute "
                     f"({_describe(now)}). The function must compute the same "
-                    "thing twice; check global state it reads."
+                    "thing twice; check global state it reads." + debug
                 )
-        if self.check == "values":
-            for i, (before, after) in enumerate(zip(self.prints, prints, strict=False)):
-                if before is None or after is None:
-                    continue
-                if not torch.allclose(before, after, rtol=0, atol=0, equal_nan=True):
-                    raise CheckpointError(
-                        f"seqckpt: saved tensor #{i} of checkpointed {name} "
-                        f"({_describe(self.metas[i])}) has other values in the "
-                        "recompute than in forward (fingerprints "
-                        f"{before.tolist()} vs {after.tolist()}). Something "
-                        "nondeterministic runs inside: RNG outside torch, "
-                        "nondeterministic kernels, or state changed between the runs."
-                    )
+        assert bad is not None
+        before, after = self.prints[bad], prints[bad]
+        assert before is not None and after is not None
+        raise CheckpointError(
+            f"seqckpt: saved tensor #{bad} of checkpointed {name} "
+            f"({_describe(self.metas[bad])}) has other values in the "
+            "recompute than in forward (fingerprints "
+            f"{before.tolist()} vs {after.tolist()}). Something "
+            "nondeterministic runs inside: RNG outside torch, "
+            "nondeterministic kernels, or state changed between the runs." + debug
+        )
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -9,6 +9,7 @@ one primitive. No strategy is special-cased in the executor.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from seqckpt.checkpoint import DeterminismCheck, _check_arguments, run_region
+from seqckpt._buffers import modules_of
+from seqckpt._chain import Chain, as_chain
+from seqckpt.checkpoint import (
+    DEFAULT_OPTIONS,
+    ContextFn,
+    DeterminismCheck,
+    Options,
+    make_options,
+    run_region,
+)
 from seqckpt.planner.budget import parse_budget
 from seqckpt.planner.planning import auto_plan
 from seqckpt.planner.tree import (
@@ -31,34 +41,18 @@ from seqckpt.planner.tree import (
 __all__ = ["CheckpointedSequential", "checkpoint_sequential", "run_plan"]
 
 Segments = int | Sequence[int] | Plan | str
-Chain = nn.Sequential | nn.ModuleList | Sequence[Callable[[Any], Any]]
 
 
-def as_chain(modules: object) -> list[Callable[[Any], Any]]:
-    """The items of ``modules`` as a list, checked: non-empty, all callable."""
-    if isinstance(modules, (nn.Sequential, nn.ModuleList, list, tuple)):
-        items = list(modules)
-    else:
-        raise TypeError(
-            "seqckpt: argument 'modules' must be an nn.Sequential, nn.ModuleList, "
-            f"list or tuple of modules or callables, got {type(modules).__name__}."
-        )
-    if not items:
-        raise ValueError(
-            "seqckpt: argument 'modules' is an empty chain; give at least one module."
-        )
-    for i, item in enumerate(items):
-        if not callable(item):
-            raise TypeError(
-                f"seqckpt: modules[{i}] is not callable: {item!r} "
-                f"({type(item).__name__}); every item of the chain must be a module "
-                "or a function."
-            )
-    return items
+def resolve_plan(segments: object, chain: Sequence[Callable[[Any], Any]]) -> Plan:
+    """Turn any accepted form of ``segments`` into a plan for ``chain``.
 
-
-def resolve_plan(segments: object, n: int) -> Plan:
-    """Turn any accepted form of ``segments`` into a plan for ``n`` modules."""
+    An int ``k`` gives balanced segments whose checkpointed stretches never
+    start at an item that writes into its input (``inplace=True``, as
+    ``nn.ReLU(inplace=True)``): such a boundary moves to the next item, since a
+    recompute would start from the overwritten values. Sizes and plans are
+    taken as given.
+    """
+    n = len(chain)
     if isinstance(segments, Plan):
         try:
             segments.check(n)
@@ -73,7 +67,7 @@ def resolve_plan(segments: object, n: int) -> Plan:
                 f"seqckpt: segments must be between 1 and the number of modules "
                 f"({n}), got segments={segments}."
             )
-        return uniform_plan(n, segments)
+        return uniform_plan(n, segments, lambda i: _writes_its_input(chain[i]))
     if isinstance(segments, (list, tuple)):
         if not segments or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in segments
@@ -95,6 +89,10 @@ def resolve_plan(segments: object, n: int) -> Plan:
     )
 
 
+def _writes_its_input(item: object) -> bool:
+    return getattr(item, "inplace", False) is True
+
+
 def plan_for(
     segments: object,
     chain: Sequence[Callable[[Any], Any]],
@@ -106,7 +104,7 @@ def plan_for(
     if segments == "auto":
         return auto_plan(chain, input, memory_budget)
     _check_budget_use(segments, memory_budget)
-    return resolve_plan(segments, len(chain))
+    return resolve_plan(segments, chain)
 
 
 def _check_budget_use(segments: object, memory_budget: object) -> None:
@@ -122,14 +120,13 @@ def run_plan(
     plan: Plan,
     modules: Sequence[Callable[[Any], Any]],
     input: Any,
-    preserve_rng_state: bool = True,
-    determinism_check: DeterminismCheck = "default",
+    options: Options = DEFAULT_OPTIONS,
 ) -> Any:
     """Run ``modules`` on ``input`` following ``plan``: the one executor.
 
     A :class:`~seqckpt.planner.Run` item calls its modules in turn; a
     :class:`~seqckpt.planner.Recompute` item calls this function on its inner plan
-    inside :func:`seqckpt.checkpoint`, so nested plans nest checkpoints.
+    as one checkpointed region, so nested plans nest checkpoints.
     """
     x = input
     for item in plan.items:
@@ -137,24 +134,9 @@ def run_plan(
             for i in range(item.start, item.stop):
                 x = modules[i](x)
         else:
-            region = functools.partial(
-                run_plan,
-                item.inner,
-                modules,
-                preserve_rng_state=preserve_rng_state,
-                determinism_check=determinism_check,
-            )
-            x = run_region(
-                region,
-                (x,),
-                modules=[
-                    m
-                    for m in modules[item.start : item.stop]
-                    if isinstance(m, nn.Module)
-                ],
-                preserve_rng_state=preserve_rng_state,
-                determinism_check=determinism_check,
-            )
+            region = functools.partial(run_plan, item.inner, modules, options=options)
+            runs = modules_of(tuple(modules[item.start : item.stop]))
+            x = run_region(region, (x,), {}, options, runs)
     return x
 
 
@@ -163,27 +145,39 @@ def checkpoint_sequential(
     segments: Segments,
     input: Any,
     *,
+    use_reentrant: bool | None = None,
     preserve_rng_state: bool = True,
     determinism_check: DeterminismCheck = "default",
+    context_fn: ContextFn | None = None,
+    debug: bool = False,
+    early_stop: bool = True,
     memory_budget: int | str | None = None,
 ) -> Any:
     """Run a chain of modules with all but its last segment checkpointed.
+
+    Takes the arguments of ``torch.utils.checkpoint.checkpoint_sequential``
+    (``use_reentrant`` is accepted and ignored, as in :func:`seqckpt.checkpoint`).
 
     Args:
         modules: an ``nn.Sequential``, ``nn.ModuleList``, or a list or tuple of
             modules or plain callables. A nested ``nn.Sequential`` is one item.
         segments: an int ``k`` (1 <= k <= number of modules): ``k`` contiguous
             segments whose sizes differ by at most one, smaller ones first (torch
-            puts the whole remainder in its last, plain segment); a list of
-            segment sizes summing to the number of modules; or a
-            :class:`~seqckpt.planner.Plan`, e.g. from :func:`seqckpt.plan`; or
-            ``"auto"``: the fastest plan that fits ``memory_budget`` (or, for
-            an input on CUDA, 90% of the device's free memory), planned on the
-            first call for this chain and input shape and then reused.
+            puts the whole remainder in its last, plain segment), none starting
+            at an item with ``inplace=True``; a list of segment sizes summing to
+            the number of modules; or a :class:`~seqckpt.planner.Plan`, e.g. from
+            :func:`seqckpt.plan`; or ``"auto"``: the fastest plan that fits
+            ``memory_budget`` (or, for an input on CUDA, 90% of the device's free
+            memory), planned on the first call for this chain and input shape
+            and then reused.
         input: passed to the first module, as ``nn.Sequential`` does; tuples and
             dicts flowing between stages are fine.
+        use_reentrant: accepted for torch compatibility and ignored.
         preserve_rng_state: see :func:`seqckpt.checkpoint`.
         determinism_check: see :func:`seqckpt.checkpoint`.
+        context_fn: see :func:`seqckpt.checkpoint`; called once per region.
+        debug: see :func:`seqckpt.checkpoint`.
+        early_stop: see :func:`seqckpt.checkpoint`.
         memory_budget: with ``segments="auto"``: bytes, or a string such as
             ``"512MiB"`` (see :func:`seqckpt.plan`).
 
@@ -205,26 +199,37 @@ def checkpoint_sequential(
         >>> y.sum().backward()
     """
     chain = as_chain(modules)
-    _check_arguments(run_plan, preserve_rng_state, determinism_check)
+    options = make_options(
+        preserve_rng_state=preserve_rng_state,
+        determinism_check=determinism_check,
+        context_fn=context_fn,
+        debug=debug,
+        early_stop=early_stop,
+        use_reentrant=use_reentrant,
+    )
     if not torch.is_grad_enabled():
         if segments != "auto":
-            resolve_plan(segments, len(chain))
+            resolve_plan(segments, chain)
         for module in chain:
             input = module(input)
         return input
     plan = plan_for(segments, chain, input, memory_budget)
-    return run_plan(plan, chain, input, preserve_rng_state, determinism_check)
+    return run_plan(plan, chain, input, options)
 
 
 class CheckpointedSequential(nn.Sequential):
     """An ``nn.Sequential`` whose forward is checkpointed while training.
 
     Constructed like ``nn.Sequential`` (modules, or one ``OrderedDict``) plus the
-    keyword ``segments`` (any form :func:`checkpoint_sequential` accepts; the
-    default, None, means about sqrt(number of modules) balanced segments). Its
-    ``state_dict`` keys are those of the ``nn.Sequential`` it replaces, and
-    indexing, slicing, ``len`` and ``append`` behave the same. In ``eval()`` mode
-    or without grad its forward is exactly ``nn.Sequential.forward``.
+    keyword ``segments`` (any form :func:`checkpoint_sequential` accepts) and the
+    checkpoint options. The default, ``segments=None``, is about sqrt(n)
+    balanced segments and at least two for two or more modules, so every chain
+    of two or more modules checkpoints something; a single module runs plainly
+    (with a warning: there is nothing to checkpoint but the whole, use
+    :func:`seqckpt.checkpoint` for that). Its ``state_dict`` keys are those of
+    the ``nn.Sequential`` it replaces, and indexing, slicing, ``len`` and
+    ``append`` behave the same. In ``eval()`` mode or without grad its forward
+    is exactly ``nn.Sequential.forward``.
 
     Example:
         >>> import torch
@@ -241,21 +246,31 @@ class CheckpointedSequential(nn.Sequential):
         self,
         *args: Any,
         segments: Segments | None = None,
+        use_reentrant: bool | None = None,
         preserve_rng_state: bool = True,
         determinism_check: DeterminismCheck = "default",
+        context_fn: ContextFn | None = None,
+        debug: bool = False,
+        early_stop: bool = True,
         memory_budget: int | str | None = None,
     ) -> None:
         super().__init__(*args)
-        _check_arguments(run_plan, preserve_rng_state, determinism_check)
+        self.options = make_options(
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            context_fn=context_fn,
+            debug=debug,
+            early_stop=early_stop,
+            use_reentrant=use_reentrant,
+        )
         if memory_budget is not None:
             parse_budget(memory_budget)
         _check_budget_use(segments, memory_budget)
         if segments is not None and segments != "auto" and len(self) > 0:
-            resolve_plan(segments, len(self))  # fail early on a bad value
+            resolve_plan(segments, list(self))  # fail early on a bad value
         self.segments = segments
         self.memory_budget = memory_budget
-        self.preserve_rng_state = preserve_rng_state
-        self.determinism_check: DeterminismCheck = determinism_check
+        self._warned_single = False
 
     @classmethod
     def from_sequential(
@@ -290,10 +305,17 @@ class CheckpointedSequential(nn.Sequential):
         segments = self.segments
         if segments is None:
             segments = default_segments(len(chain))
+            if segments == 1 and not self._warned_single:
+                self._warned_single = True
+                warnings.warn(
+                    "seqckpt: CheckpointedSequential with a single module "
+                    "checkpoints nothing (its only segment is the last one, which "
+                    "runs plainly); wrap the module with seqckpt.checkpoint to "
+                    "recompute it whole.",
+                    stacklevel=2,
+                )
         plan = plan_for(segments, chain, input, self.memory_budget)
-        return run_plan(
-            plan, chain, input, self.preserve_rng_state, self.determinism_check
-        )
+        return run_plan(plan, chain, input, self.options)
 
     def extra_repr(self) -> str:
         parts = [] if self.segments is None else [f"segments={self.segments!r}"]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import weakref
 from collections import namedtuple
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -663,3 +666,220 @@ def test_cuda_rng_of_device_used_with_cpu_inputs() -> None:
     torch.manual_seed(0)
     f(x).backward()
     assert torch.equal(got, x.grad)
+
+
+# ------------------------------------------- buffers of modules however reached
+
+
+def bn_blocks() -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(
+        [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Tanh(), Counter()]
+    )
+
+
+def timm_checkpoint_seq(functions: Any, x: torch.Tensor, every: int = 2) -> Any:
+    """timm's checkpoint_seq: a closure over a tuple of modules per chunk."""
+
+    def run_function(start: int, end: int, fns: Any) -> Callable[..., Any]:
+        def forward(h: torch.Tensor) -> torch.Tensor:
+            for j in range(start, end + 1):
+                h = fns[j](h)
+            return h
+
+        return forward
+
+    fns = tuple(functions)
+    for start in range(0, len(fns), every):
+        end = min(start + every - 1, len(fns) - 1)
+        x = checkpoint(run_function(start, end, fns), x, use_reentrant=False)
+    return x
+
+
+class Stages:
+    """A callable object holding modules in a dict attribute."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        self.parts = {"all": list(blocks)}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.parts["all"]:
+            x = block(x)
+        return x
+
+
+def in_list_closure(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    blocks = [m[0], m[1], m[2]]  # torch's run_function(start, end, functions)
+
+    def run(h: torch.Tensor) -> torch.Tensor:
+        for block in blocks:
+            h = block(h)
+        return h
+
+    return checkpoint(run, x)
+
+
+def in_partial_dict(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    def run(parts: dict[str, nn.Module], h: torch.Tensor) -> torch.Tensor:
+        return parts["c"](parts["b"](parts["a"](h)))
+
+    return checkpoint(functools.partial(run, {"a": m[0], "b": m[1], "c": m[2]}), x)
+
+
+def run_all(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in m:
+        x = block(x)
+    return x
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        timm_checkpoint_seq,
+        in_list_closure,
+        in_partial_dict,
+        lambda m, x: checkpoint(Stages(m), x),
+    ],
+    ids=["timm-checkpoint-seq", "list-in-closure", "dict-in-partial", "object"],
+)
+def test_buffers_of_modules_reached_through_containers(call: Any) -> None:
+    x = torch.randn(6, 4, requires_grad=True)
+    assert_matches_plain(bn_blocks(), x, call, plain=run_all)
+
+
+GLOBAL_BN = nn.BatchNorm1d(4)
+
+
+def test_a_module_reached_only_through_a_global() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return GLOBAL_BN(x).tanh()
+
+    x = torch.randn(6, 4, requires_grad=True)
+    ref = GLOBAL_BN.running_mean.clone()
+    # "values" watches every module the region calls: updated once.
+    checkpoint(f, x, determinism_check="values").sum().backward()
+    once = GLOBAL_BN.running_mean.clone()
+    GLOBAL_BN.running_mean.copy_(ref)
+    GLOBAL_BN(x)
+    assert torch.equal(once, GLOBAL_BN.running_mean)
+
+
+class Rebinds(nn.Module):
+    """Replaces its buffer instead of writing into it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        return x * self.steps
+
+
+def test_a_buffer_replaced_by_the_forward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), Rebinds(), nn.Tanh())
+    x = torch.randn(2, 3, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, t: checkpoint(m, t))
+
+
+# ------------------------------------------------------------ backend switches
+
+
+def test_sdpa_backend_chosen_in_forward_is_used_in_the_recompute() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    # dropout 0: with dropout the CPU falls back to the math path anyway
+    layer = nn.TransformerEncoderLayer(
+        16, 2, dim_feedforward=32, dropout=0.0, batch_first=True
+    )
+    x = torch.randn(2, 5, 16, requires_grad=True)
+
+    def step(m: nn.Module, t: torch.Tensor, use: bool) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return checkpoint(m, t) if use else m(t)
+
+    # the backward (and so the recompute) runs after the `with` block has ended
+    assert_matches_plain(
+        layer,
+        x,
+        lambda m, t: step(m, t, True),
+        plain=lambda m, t: step(m, t, False),
+    )
+
+
+SWITCHES = {
+    "default dtype": (torch.get_default_dtype, torch.set_default_dtype, torch.float64),
+    "deterministic": (
+        torch.are_deterministic_algorithms_enabled,
+        torch.use_deterministic_algorithms,
+        True,
+    ),
+    "matmul precision": (
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+        "medium",
+    ),
+    "mkldnn": (
+        lambda: torch.backends.mkldnn.enabled,
+        lambda v: setattr(torch.backends.mkldnn, "enabled", v),
+        False,
+    ),
+    "flash sdp": (
+        torch.backends.cuda.flash_sdp_enabled,
+        torch.backends.cuda.enable_flash_sdp,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_backend_switches_of_the_forward_are_replayed(name: str) -> None:
+    get, put, other = SWITCHES[name]
+    usual = get()
+    seen: list[object] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(get())
+        return x.exp()
+
+    x = torch.randn(3, dtype=torch.float32, requires_grad=True)
+    put(other)
+    try:
+        y = checkpoint(f, x)
+    finally:
+        put(usual)
+    y.sum().backward()  # the caller's value is the usual one again
+    assert seen == [other, other]
+    assert get() == usual
+
+
+# ----------------------------------------------------- in-place first layer
+
+
+def test_a_function_that_writes_into_its_input_is_refused_in_forward() -> None:
+    h = torch.randn(4, requires_grad=True) * 1
+    with pytest.raises(CheckpointError, match="modified its own input in place"):
+        checkpoint(nn.Sequential(nn.ReLU(inplace=True), nn.Tanh()), h)
+
+
+def test_regions_on_cuda_capture_the_cuda_switches_too() -> None:
+    # CUDA-only switches (cuDNN, cuBLAS, the CUDA attention backends) cannot
+    # change what runs on the CPU, so CPU regions skip them; a region on a CUDA
+    # device reads them all. Checked without a GPU on the capture itself.
+    cpu = seqckpt._state.Ambient(())
+    cuda = seqckpt._state.Ambient((torch.device("cuda", 0),))
+    assert cpu.switches is seqckpt._state.CPU_SWITCHES
+    assert cuda.switches is seqckpt._state.ALL_SWITCHES
+    assert len(cuda.values) > len(cpu.values)
+    getters = [get for get, _ in cuda.switches]
+    assert torch._C._get_cudnn_benchmark in getters
+    usual = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = not usual
+        undo = cuda.replay()  # back to the captured value, and undone after
+        assert torch.backends.cudnn.benchmark == usual
+        seqckpt._state.Ambient.undo(undo)
+        assert torch.backends.cudnn.benchmark == (not usual)
+    finally:
+        torch.backends.cudnn.benchmark = usual

@@ -204,3 +204,56 @@ def test_plans_chains_of_callables_passing_tuples() -> None:
         ),  # type: ignore[arg-type]
         plain=plain,
     )
+
+
+def flat_resnet_like() -> nn.Sequential:
+    """torchvision's ResNet flattened into a chain: conv, bn, an in-place ReLU
+    at top level, pooling, stages."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def starts(plan: Plan) -> list[int]:
+    found = []
+    for item in plan.items:
+        if isinstance(item, Recompute):
+            found += [item.start, *starts(item.inner)]
+    return found
+
+
+def test_planner_on_a_chain_with_an_in_place_item() -> None:
+    model = flat_resnet_like()
+    x = torch.randn(4, 3, 16, 16, requires_grad=True)
+    prof = seqckpt.profile(model, x, repeats=1)
+    assert [p.modifies_input for p in prof.layers] == [
+        False, False, True, False, False, False, False, False, False,
+    ]  # fmt: skip
+    floor = seqckpt.plan(model, x, profile=prof)
+    budgets = [int(floor.predicted_peak_bytes * f) for f in (0.3, 0.5, 0.8)]
+    for budget in budgets:
+        try:
+            planned = seqckpt.plan(model, x, budget, profile=prof)
+        except PlanError:
+            continue
+        assert 2 not in starts(planned)  # never recompute from the ReLU's input
+        assert_matches_plain(
+            model, x, lambda m, t: seqckpt.checkpoint_sequential(m, planned, t)
+        )
+    _AUTO_CACHE.clear()
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: seqckpt.checkpoint_sequential(
+            m, "auto", t, memory_budget=budgets[-1]
+        ),
+    )

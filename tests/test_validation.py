@@ -83,6 +83,18 @@ def test_python_dash_m_default_run() -> None:
     assert done.returncode == 0, done.stderr
     assert "bitwise equal" in done.stdout and "OK" in done.stdout
     assert "validating" in done.stderr
+    # A fresh install has no NumPy; torch's warning about it must not show.
+    assert "NumPy" not in done.stderr and "Warning" not in done.stderr, done.stderr
+
+
+def test_import_prints_nothing() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import seqckpt"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
 @pytest.mark.cuda

@@ -33,7 +33,10 @@ class CostModel:
     """Per-layer figures the model needs, as plain lists.
 
     ``a[k]`` is the size of the input of layer ``k`` (``a[n]`` is the chain's
-    output); the others are indexed by layer.
+    output); the others are indexed by layer. ``can_start[k]`` is False where a
+    checkpointed stretch must not begin: layer ``k`` writes into its input in
+    place (or returns its input to a layer that does), so a recompute would
+    start from modified values.
     """
 
     a: list[int]
@@ -44,10 +47,15 @@ class CostModel:
     backward_peak: list[int]
     forward_time: list[float]
     backward_time: list[float]
+    can_start: list[bool]
 
     @staticmethod
     def of(profile: ChainProfile) -> CostModel:
         layers = profile.layers
+        unsafe = [False] * (len(layers) + 1)
+        for k in reversed(range(len(layers))):
+            p = layers[k]
+            unsafe[k] = p.modifies_input or (p.returns_input and unsafe[k + 1])
         return CostModel(
             a=[layers[0].input_bytes] + [p.output_bytes for p in layers],
             kept=[p.saved_bytes for p in layers],
@@ -57,6 +65,7 @@ class CostModel:
             backward_peak=[p.backward_peak_bytes for p in layers],
             forward_time=[p.forward_time for p in layers],
             backward_time=[p.backward_time for p in layers],
+            can_start=[not u for u in unsafe[:-1]],
         )
 
     def __len__(self) -> int:

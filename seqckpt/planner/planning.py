@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
 from seqckpt.planner.budget import parse_budget
 from seqckpt.planner.profile import ChainProfile
@@ -66,8 +67,6 @@ def plan(
         True
         >>> y = seqckpt.checkpoint_sequential(chain, p, x)
     """
-    from seqckpt.sequential import as_chain
-
     budget = None if memory_budget is None else parse_budget(memory_budget)
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 8:
         raise ValueError(f"seqckpt: slots must be an int >= 8, got {slots!r}.")

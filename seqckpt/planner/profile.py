@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from seqckpt._buffers import watching_modules
+from seqckpt._chain import as_chain
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
-from seqckpt.checkpoint import modules_of
 from seqckpt.memory import timed, track_memory
 
 __all__ = ["ChainProfile", "LayerProfile", "profile"]
@@ -49,6 +50,9 @@ class LayerProfile:
         backward_peak_bytes: the most bytes its backward holds at once beyond
             ``held_bytes``: the output gradient, temporaries and the input
             gradient (saved tensors freed on the way count against it).
+        modifies_input: it writes into its input in place (``nn.ReLU(inplace=
+            True)``); a checkpointed stretch never starts at such an item.
+        returns_input: its output is (a view of) its input.
     """
 
     name: str
@@ -61,6 +65,8 @@ class LayerProfile:
     forward_peak_bytes: int
     nograd_peak_bytes: int
     backward_peak_bytes: int
+    modifies_input: bool = False
+    returns_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,34 +140,56 @@ def _device(obj: Any, chain: Sequence[Callable[..., Any]]) -> torch.device:
     return torch.device("cpu")
 
 
+class _Sandbox:
+    """What profiling changes, recorded as modules are first called (however the
+    chain reaches them) and put back at the end: buffers (e.g. BatchNorm
+    statistics), ``.grad`` s and training flags. Parameters are not written by a
+    forward and backward, so they are left alone. Inside, parameter gradients
+    are zero tensors (as in a training loop that keeps them allocated)."""
+
+    def __init__(self) -> None:
+        self.visited: set[int] = set()
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self.flags: list[tuple[nn.Module, bool]] = []
+        self.params: set[int] = set()
+
+    def seen(self, module: nn.Module) -> None:
+        for sub in module.modules():
+            if id(sub) in self.visited:
+                continue
+            self.visited.add(id(sub))
+            self.flags.append((sub, sub.training))
+            for b in sub.buffers(recurse=False):
+                self.buffers.append((b, b.detach().clone()))
+            for p in sub.parameters(recurse=False):
+                if id(p) in self.params:
+                    continue
+                self.params.add(id(p))
+                self.grads.append((p, p.grad))
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, value in self.buffers:
+                b.copy_(value)
+        for p, grad in self.grads:
+            p.grad = grad
+        for sub, flag in self.flags:
+            sub.training = flag
+
+
 @contextmanager
-def sandbox(
-    chain: Sequence[Callable[..., Any]], devices: tuple[torch.device, ...]
-) -> Iterator[None]:
-    """Run the block, then put back every buffer, ``.grad``, training flag and the
-    global RNG state as they were. Parameters are not written by a forward and
-    backward, so they are left alone. Inside, parameter gradients are zero tensors
-    (as in a training loop that keeps them allocated). Modules are found as the
-    checkpoint finds them: items, bound methods' objects, partials, closures."""
-    modules = [m for item in chain for m in modules_of(item)]
-    params = list({id(p): p for m in modules for p in m.parameters()}.values())
-    buffers = list({id(b): b for m in modules for b in m.buffers()}.values())
-    saved_buffers = [b.detach().clone() for b in buffers]
-    saved_grads = [p.grad for p in params]
-    flags = [(sub, sub.training) for m in modules for sub in m.modules()]
+def sandbox(devices: tuple[torch.device, ...]) -> Iterator[None]:
+    """Run the block, then put back what it changed in the modules it called
+    (see :class:`_Sandbox`) and the global RNG state."""
+    box = _Sandbox()
     rng = RngState.capture(devices)
     try:
-        for p in params:
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
-        yield
+        with watching_modules(box.seen):
+            yield
     finally:
-        with torch.no_grad():
-            for b, value in zip(buffers, saved_buffers, strict=True):
-                b.copy_(value)
-        for p, grad in zip(params, saved_grads, strict=True):
-            p.grad = grad
-        for sub, flag in flags:
-            sub.training = flag
+        box.restore()
         rng.restore()
 
 
@@ -201,17 +229,34 @@ def _clear_input_grads(x: Any) -> None:
         t.grad = None
 
 
+def _fresh(x: Any) -> Any:
+    """A copy of the item's input that it may modify in place: non-leaf copies
+    of tensors that require grad (their gradient still reaches ``x``)."""
+    return replace_tensors(x, [t.clone() for t in tensors_in(x)])
+
+
+def _storages(obj: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors_in(obj)} - {0}
+
+
 def _profile_item(
     item: Callable[..., Any], x: Any, device: torch.device, repeats: int
 ) -> tuple[LayerProfile, Any]:
-    # Memory first, once (the counting dispatch mode would distort timings).
+    with torch.no_grad():  # finds the modules the item calls, outside measurements
+        item(_fresh(x))
+    inputs = _fresh(x)
     with torch.no_grad(), track_memory(device) as nograd:
-        item(x)
+        item(inputs)
+    inputs = _fresh(x)
+    versions = [t._version for t in tensors_in(inputs)]
     with track_memory(device) as mem:
-        out = item(x)
+        out = item(inputs)
         forward_peak = mem.peak_so_far()
         saved = mem.live_bytes()
         output_bytes = _nbytes(out)
+        modifies_input = versions != [t._version for t in tensors_in(inputs)]
+        returns_input = bool(_storages(out) & _storages(inputs))
+        del inputs
         roots = _roots(out)
         del out  # in a chain nothing holds the output but what saved it
         held = mem.live_bytes()
@@ -225,7 +270,7 @@ def _profile_item(
 
     forward_times, backward_times = [], []
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        out, seconds = timed(partial(item, x), device)
+        out, seconds = timed(partial(item, _fresh(x)), device)
         forward_times.append(seconds)
         backward_times.append(timed(partial(backward_with_loss_grad, out), device)[1])
         _clear_input_grads(x)
@@ -247,6 +292,8 @@ def _profile_item(
         forward_peak_bytes=forward_peak,
         nograd_peak_bytes=nograd.peak_bytes,
         backward_peak_bytes=backward_peak,
+        modifies_input=modifies_input,
+        returns_input=returns_input,
     )
     return layer, next_input
 
@@ -277,15 +324,13 @@ def profile(modules: Any, sample_input: Any, *, repeats: int = 5) -> ChainProfil
         >>> [p.output_bytes for p in prof.layers]
         [8192, 8192, 8192]
     """
-    from seqckpt.sequential import as_chain
-
     chain = as_chain(modules)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"seqckpt: repeats must be an int >= 1, got {repeats!r}.")
     device = _device(sample_input, chain)
     devices = accelerator_devices(tensors_in(sample_input))
     layers = []
-    with sandbox(chain, devices), torch.enable_grad():
+    with sandbox(devices), torch.enable_grad():
         x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
         for item in chain:
             layer, x = _profile_item(item, x, device, repeats)

@@ -65,7 +65,7 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
                 keep_time + rest_time,
                 0,
             )
-            for j, forward, nograd in model.cuts(i, last):
+            for j, forward, nograd in model.cuts(i, last) if model.can_start[i] else ():
                 rest_need, rest_time, _ = best[j, last]
                 inner_need, inner_time, _ = best[i, j - 1]
                 need = max(delta + nograd, model.a[j] + rest_need, inner_need)
@@ -129,6 +129,10 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
             if kept[i] <= slots:
                 keep[kept[i] :] = base + table[i + 1, last, : slots + 1 - kept[i]]
             keep = torch.where(s_range >= lower, keep, inf)
+            if not model.can_start[i]:
+                table[i, last] = keep
+                choice[i, last] = torch.where(torch.isfinite(keep), 0, -1)
+                continue
 
             js = torch.arange(i + 1, last + 1)
             # rest j..last with x_j held: table[j, last, s - a_j]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -231,15 +232,21 @@ def plan_from_sizes(sizes: list[int] | tuple[int, ...]) -> Plan:
             keep 0-1
           keep 2-2
     """
-    items: list[Item] = []
-    at = 0
-    for i, size in enumerate(sizes):
-        stop = at + size
-        if i == len(sizes) - 1:
-            items.append(Run(at, stop))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return _plan_from_starts(starts, sum(sizes))
+
+
+def _plan_from_starts(starts: list[int], n: int) -> Plan:
+    """Segments beginning at ``starts`` (increasing), all but the last
+    checkpointed; layers before the first start run plainly."""
+    items: list[Item] = [Run(0, starts[0])] if starts[0] > 0 else []
+    for start, stop in zip(starts, [*starts[1:], n], strict=True):
+        if stop == n:
+            items.append(Run(start, stop))
         else:
-            items.append(Recompute(at, stop, Plan((Run(at, stop),))))
-        at = stop
+            items.append(Recompute(start, stop, Plan((Run(start, stop),))))
+    if len(items) > 1 and isinstance(items[0], Run) and isinstance(items[1], Run):
+        items[:2] = [Run(0, items[1].stop)]  # one segment, shifted: all plain
     return Plan(tuple(items))
 
 
@@ -260,11 +267,39 @@ def balanced_sizes(n: int, k: int) -> list[int]:
     return [base] * (k - extra) + [base + 1] * extra
 
 
-def uniform_plan(n: int, k: int) -> Plan:
-    """``n`` layers in ``k`` balanced segments, all but the last checkpointed."""
-    return plan_from_sizes(balanced_sizes(n, k))
+def uniform_plan(n: int, k: int, blocked: Callable[[int], bool] | None = None) -> Plan:
+    """``n`` layers in ``k`` balanced segments, all but the last checkpointed.
+
+    ``blocked(i)`` true means no checkpointed segment may start at layer ``i``
+    (it writes into its input): such a start moves to the next layer, which
+    makes the segment before it one longer (two starts that meet become one).
+
+    Example:
+        >>> print(uniform_plan(4, 2, blocked=lambda i: i == 2))
+        Plan for layers 0-3
+          recompute 0-2
+            keep 0-2
+          keep 3-3
+    """
+    sizes = balanced_sizes(n, k)
+    starts = [sum(sizes[:i]) for i in range(k)]
+    if blocked is not None:
+        moved: list[int] = []
+        for start in starts:
+            while start < n and blocked(start):
+                start += 1
+            if start < n and (not moved or start > moved[-1]):
+                moved.append(start)
+        starts = moved or [0]
+    return _plan_from_starts(starts, n)
 
 
 def default_segments(n: int) -> int:
-    """The classic choice without a profile: about sqrt(n) segments."""
-    return max(1, min(n, round(math.sqrt(n))))
+    """The default without a profile: about sqrt(n) segments, and at least two
+    when there are two or more layers, so that something is checkpointed.
+
+    Example:
+        >>> [default_segments(n) for n in (1, 2, 3, 9, 30)]
+        [1, 2, 2, 3, 5]
+    """
+    return min(n, max(2, round(math.sqrt(n))))

@@ -1,0 +1,227 @@
+"""Module buffers inside a checkpointed region: found before the region first
+runs, their first-run values kept where that run may have changed them, and put
+in place around the recompute so that it sees what the first run saw and
+updates nothing a second time.
+
+Which modules a region runs is read off the callable (:func:`modules_of`): the
+module itself, the object of a bound method (HF's ``layer.__call__``), the
+callable and arguments of a ``functools.partial``, what a closure captures
+(timm's ``checkpoint_seq`` and torch's ``run_function`` close over a tuple or
+list of modules), what a callable object holds in its attributes, and modules
+inside tuples, lists, dicts and sets of any of those. A module reached only
+through a global is not visible that way; :func:`watching_modules` finds every
+module a region calls, however it is reached, with a global forward pre-hook.
+It costs a few microseconds per module call (the hook moves every module call
+onto ``nn.Module``'s slow path), so it runs only with
+``determinism_check="values"``. The buffers of each module found and of all its
+submodules are recorded (TorchScript submodules included).
+
+Which buffers the first run may have changed is decided without reading their
+values, so no device synchronisation is needed:
+
+- the version counter moved: any in-place write from Python, or from a kernel
+  that declares it;
+- the module put another tensor in its place (``self.steps = self.steps + 1``);
+- ``running_mean`` / ``running_var`` of a module in training mode: batch-norm
+  kernels update running statistics without moving the version counter;
+- any floating-point buffer of a TorchScript module in training mode (what
+  runs inside is not visible);
+- with ``conservative=True`` (``determinism_check="values"``), every
+  floating-point buffer.
+
+The first-run copies of the others are dropped when the first run ends.
+
+Internal: nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+__all__ = ["BufferGuard", "modules_of", "watching_modules"]
+
+_HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
+
+
+def modules_of(function: object) -> list[nn.Module]:
+    """The modules a callable visibly runs (see the module docstring).
+
+    Example:
+        >>> from torch import nn
+        >>> def chunk(blocks):  # timm's checkpoint_seq closes over its modules
+        ...     def run(x):
+        ...         for block in blocks:
+        ...             x = block(x)
+        ...         return x
+        ...     return run
+        >>> [type(m).__name__ for m in modules_of(chunk((nn.Linear(2, 2), nn.Tanh())))]
+        ['Linear', 'Tanh']
+    """
+    if isinstance(function, nn.Module):
+        return [function]
+    found: dict[int, nn.Module] = {}
+    seen: set[int] = set()
+    _visit(function, 4, found, seen)
+    return list(found.values())
+
+
+def _visit(
+    obj: object, depth: int, found: dict[int, nn.Module], seen: set[int]
+) -> None:
+    # A module-level function, not a closure: a recursive closure is a reference
+    # cycle that only the garbage collector frees.
+    if isinstance(obj, nn.Module):
+        found.setdefault(id(obj), obj)
+        return
+    if depth == 0 or id(obj) in seen or isinstance(obj, (str, bytes, int, float)):
+        return
+    seen.add(id(obj))
+    children: list[object] = []
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        children.extend(obj)
+    elif isinstance(obj, dict):
+        children.extend(obj.values())
+    elif isinstance(obj, functools.partial):
+        children.extend((obj.func, *obj.args, *obj.keywords.values()))
+    elif isinstance(obj, (types.FunctionType, types.MethodType)):
+        children.append(getattr(obj, "__self__", None))
+        closure = getattr(obj, "__closure__", None)
+        for cell in closure or ():
+            try:
+                children.append(cell.cell_contents)
+            except ValueError:  # an empty cell
+                continue
+        children.append(getattr(obj, "__wrapped__", None))
+    elif callable(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
+        children.extend(vars(obj).values())  # a callable object's attributes
+    else:
+        self_ = getattr(obj, "__self__", None)  # a bound builtin method
+        if self_ is not None:
+            children.append(self_)
+    for child in children:
+        if child is not None:
+            _visit(child, depth - 1, found, seen)
+
+
+@contextmanager
+def watching_modules(seen: Callable[[nn.Module], None]) -> Iterator[None]:
+    """Call ``seen(module)`` before every module call made by this thread in the
+    block, however the module is reached."""
+    owner = threading.get_ident()
+
+    def pre_hook(module: nn.Module, args: object) -> None:
+        if threading.get_ident() == owner:
+            seen(module)
+
+    handle = register_module_forward_pre_hook(pre_hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _snapshot(b: torch.Tensor) -> torch.Tensor:
+    return (b.detach() if b.requires_grad else b).clone()
+
+
+def _held(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The tensor ``module`` holds as buffer ``name`` now (TorchScript modules
+    wrap their buffers in a mapping without ``get``)."""
+    try:
+        held: torch.Tensor | None = module._buffers[name]
+    except KeyError:
+        return None
+    return held
+
+
+def _put(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    if isinstance(module, torch.jit.ScriptModule):
+        setattr(module, name, tensor)
+    else:
+        module._buffers[name] = tensor
+
+
+class BufferGuard:
+    """The buffers of the modules one region runs, with their first-run values.
+
+    ``watch`` is the pre-hook callback during the first run; ``settle`` keeps
+    what may have changed once it ends; ``replay`` puts the first-run values in
+    place for a recompute and returns what :meth:`restore` needs to put back
+    the caller's.
+    """
+
+    __slots__ = ("conservative", "visited", "entries")
+
+    def __init__(self, conservative: bool) -> None:
+        self.conservative = conservative
+        self.visited: set[int] | None = set()
+        # (module, name, tensor, version at first sight, first value, may be
+        # written by a kernel without a version bump)
+        self.entries: list[
+            tuple[nn.Module, str, torch.Tensor, int, torch.Tensor, bool]
+        ] = []
+
+    def watch(self, module: nn.Module) -> None:
+        visited = self.visited
+        if visited is None or id(module) in visited:
+            return
+        todo = [module]
+        while todo:
+            m = todo.pop()
+            if id(m) in visited:
+                continue
+            visited.add(id(m))
+            buffers = m._buffers
+            if buffers:
+                script = isinstance(m, torch.jit.ScriptModule)
+                for name, b in buffers.items():
+                    if b is None:
+                        continue
+                    hidden = b.is_floating_point() and (
+                        self.conservative
+                        or (m.training and (script or name in _HIDDEN_WRITES))
+                    )
+                    self.entries.append((m, name, b, b._version, _snapshot(b), hidden))
+            todo.extend(sub for sub in m._modules.values() if sub is not None)
+
+    def settle(self) -> None:
+        """The first run ended: keep only buffers it may have changed."""
+        self.visited = None
+        if self.entries:
+            self.entries = [
+                e
+                for e in self.entries
+                if e[5] or e[2]._version != e[3] or _held(e[0], e[1]) is not e[2]
+            ]
+
+    def replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Put the first-run values in place; returns what :meth:`restore` needs:
+        per entry the tensor the module holds now and its values now."""
+        undo: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        with torch.no_grad():
+            for module, name, tensor, _, first, _ in self.entries:
+                now = _held(module, name)
+                after = _snapshot(tensor)
+                tensor.copy_(first)
+                if now is not tensor:
+                    _put(module, name, tensor)
+                undo.append((now, after))
+        return undo
+
+    def restore(self, undo: list[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
+        """Put back the values and tensors the caller had before :meth:`replay`."""
+        with torch.no_grad():
+            for (module, name, tensor, *_), (now, after) in zip(
+                self.entries, undo, strict=False
+            ):
+                tensor.copy_(after)
+                if now is not tensor and now is not None:
+                    _put(module, name, now)

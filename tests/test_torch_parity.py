@@ -1,0 +1,476 @@
+"""seqckpt.checkpoint as a drop-in for torch.utils.checkpoint.checkpoint.
+
+Two parts: torch's keywords as real call sites pass them (HF, timm, Lightning),
+and the behaviours that PyTorch's own checkpoint tests pin down (TestCheckpoint
+in test_utils.py, the checkpoint tests of TestAutograd and TestNestedCheckpoint
+in test_autograd.py), written anew for seqckpt. Where seqckpt deliberately
+differs from torch the test says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint as tc
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import seqckpt
+from seqckpt import CheckpointError, checkpoint, checkpoint_sequential
+from seqckpt.memory import track_memory
+from tests.oracle import assert_matches_plain
+
+aten = torch.ops.aten
+
+# ------------------------------------------------------------ torch's keywords
+
+
+def test_torch_keywords_are_never_passed_to_the_function() -> None:
+    received: list[dict[str, Any]] = []
+
+    def f(x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        received.append(kwargs)
+        return x.exp()
+
+    x = torch.randn(3, requires_grad=True)
+    y = checkpoint(
+        f,
+        x,
+        use_reentrant=False,
+        context_fn=tc.noop_context_fn,
+        determinism_check="default",
+        debug=False,
+        early_stop=True,
+        preserve_rng_state=True,
+        scale=2,
+    )
+    y.sum().backward()
+    assert received == [{"scale": 2}, {"scale": 2}]  # forward and recompute
+
+
+@pytest.mark.parametrize("use_reentrant", [None, False, True])
+def test_use_reentrant_is_accepted_and_changes_nothing(
+    use_reentrant: bool | None,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.GELU())
+    x = torch.randn(3, 4)  # no input grad: the reentrant limit seqckpt lifts
+    assert_matches_plain(
+        model, x, lambda m, t: checkpoint(m, t, use_reentrant=use_reentrant)
+    )
+
+
+def test_a_module_called_as_hf_and_timm_call_it() -> None:
+    # HF: self._gradient_checkpointing_func(layer.__call__, *args); timm:
+    # checkpoint(module, x) with use_reentrant from its own default.
+    layer = nn.Linear(4, 4)
+    hf_func = functools.partial(checkpoint, use_reentrant=False)
+    x = torch.randn(2, 4, requires_grad=True)
+    assert_matches_plain(layer, x, lambda m, t: hf_func(m.__call__, t))
+    assert_matches_plain(layer, x, lambda m, t: checkpoint(m, t, use_reentrant=True))
+
+
+@pytest.mark.parametrize(
+    ("keyword", "value"),
+    [
+        ("use_reentrant", "no"),
+        ("debug", 1),
+        ("early_stop", None),
+        ("preserve_rng_state", "yes"),
+        ("context_fn", 3),
+    ],
+)
+def test_bad_keyword_values_are_named(keyword: str, value: object) -> None:
+    with pytest.raises(TypeError, match=rf"^seqckpt: argument '{keyword}'"):
+        checkpoint(torch.sin, torch.randn(2), **{keyword: value})
+
+
+class CountsFinished(nn.Module):
+    """A matmul that counts the calls that got past it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.finished = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight  # saves x and the weight before computing
+        self.finished += 1
+        return y
+
+
+@pytest.mark.parametrize(("early_stop", "runs"), [(True, 1), (False, 2)])
+def test_early_stop_keyword(early_stop: bool, runs: int) -> None:
+    tail = CountsFinished()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), tail)
+    y = checkpoint(model, torch.randn(3, 4, requires_grad=True), early_stop=early_stop)
+    y.sum().backward()
+    assert tail.finished == runs
+
+
+def test_debug_names_the_first_op_that_differs() -> None:
+    state = {"flip": False}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.cos() if state["flip"] else x.exp().sin()).sum()
+
+    y = checkpoint(f, torch.randn(3, requires_grad=True), debug=True)
+    state["flip"] = True
+    with pytest.raises(CheckpointError, match=r"first differ at op #0") as info:
+        y.backward()
+    assert "aten.exp" in str(info.value) and "aten.cos" in str(info.value)
+
+
+class OpCounter(TorchDispatchMode):  # type: ignore[misc]
+    """Counts aten ops by name while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_context_fn_wraps_the_forward_and_each_recompute() -> None:
+    modes: list[OpCounter] = []
+
+    def context_fn() -> tuple[OpCounter, OpCounter]:
+        modes[:] = [OpCounter(), OpCounter()]
+        return modes[0], modes[1]
+
+    x = torch.randn(3, requires_grad=True)
+    y = checkpoint(lambda t: t.exp().sin(), x, context_fn=context_fn)
+    forward, recompute = modes
+    assert forward.counts.get("exp") == 1 and not recompute.counts
+    y.sum().backward()
+    assert recompute.counts.get("exp") == 1
+
+
+def test_torch_selective_checkpoint_policy_works_unchanged() -> None:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    torch.manual_seed(0)
+    a, b = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return b(a(x).relu()).sin()
+
+    x = torch.randn(8, 16, requires_grad=True)
+    keep_mm = functools.partial(create_selective_checkpoint_contexts, [aten.mm.default])
+
+    def mm_in_backward(**options: Any) -> int:
+        y = checkpoint(block, x, **options)
+        with OpCounter() as counter:
+            y.sum().backward()
+        return counter.counts.get("mm", 0)
+
+    plain_count = mm_in_backward()
+    selective_count = mm_in_backward(context_fn=keep_mm)
+    # Without a policy both matmuls run again in the recompute; with it they
+    # are served from what the forward kept.
+    assert plain_count - selective_count == 2
+    assert_matches_plain(
+        nn.ModuleList([a, b]),
+        x,
+        lambda m, t: checkpoint(
+            lambda u: m[1](m[0](u).relu()).sin(), t, context_fn=keep_mm
+        ),
+        plain=lambda m, t: m[1](m[0](t).relu()).sin(),
+    )
+
+
+# ------------------------------------------------- a backward inside the region
+
+
+def test_autograd_grad_inside_the_function() -> None:
+    def h(x: torch.Tensor) -> torch.Tensor:
+        (g,) = torch.autograd.grad(x.exp().sum(), x, create_graph=True)
+        return x.sin() * g
+
+    x = torch.tensor([0.5, 1.0], requires_grad=True)
+    checkpoint(h, x).sum().backward()
+    got = x.grad
+    x.grad = None
+    h(x).sum().backward()
+    assert torch.equal(got, x.grad)
+
+
+def _f(x: torch.Tensor) -> torch.Tensor:
+    return x.sin().exp().sin()
+
+
+def _grad(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda x: torch.autograd.grad(fn(x), x, create_graph=True)[0]
+
+
+def _sum(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda x: fn(x).sum()
+
+
+def _c(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return lambda x: checkpoint(fn, x)
+
+
+def _plain(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    return fn
+
+
+# Compositions of checkpoint (c), grad and sum as TestNestedCheckpoint builds them.
+NESTINGS = [
+    "s(c(f))",
+    "c(s(c(f)))",
+    "c(c(c(s(f))))",
+    "s(c(g(s(c(f)))))",
+    "c(s(g(c(s(f)))))",
+    "s(g(c(s(g(c(s(f)))))))",
+    "c(s(c(g(s(c(g(s(c(f)))))))))",
+    "g(c(s(g(c(s(c(f)))))))",
+]
+
+
+@pytest.mark.parametrize("expression", NESTINGS)
+def test_nested_checkpoints_and_grads_match_plain(expression: str) -> None:
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    names = {"s": _sum, "g": _grad, "f": _f}
+    got = eval(expression, {**names, "c": _c})(x)
+    ref = eval(expression, {**names, "c": _plain})(x)
+    assert torch.equal(got, ref)
+    (got_grad,) = torch.autograd.grad(got.sum(), x)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+    assert torch.equal(got_grad, ref_grad)
+
+
+def test_nested_two_children_and_non_tensor_arguments() -> None:
+    def child(x: torch.Tensor, scale: float, tag: str) -> tuple[torch.Tensor, str]:
+        return x.sin() * scale, tag
+
+    def parent(x: torch.Tensor) -> torch.Tensor:
+        a, tag_a = checkpoint(child, x, 2.0, tag="a")
+        b, tag_b = checkpoint(child, x.cos(), scale=3.0, tag="b")
+        assert (tag_a, tag_b) == ("a", "b")
+        return (a * b).sum()
+
+    x = torch.randn(4, requires_grad=True)
+    (got,) = torch.autograd.grad(checkpoint(parent, x), x)
+    (ref,) = torch.autograd.grad(parent(x), x)
+    assert torch.equal(got, ref)
+
+
+# ------------------------------------------------------- saved tensors
+
+
+class SavesTwo(torch.autograd.Function):
+    """Saves a grad-requiring and a non-grad input; records what backward gets."""
+
+    seen: list[torch.Tensor] = []
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        a, b = ctx.saved_tensors
+        SavesTwo.seen = [a, b]
+        return grad * b, None
+
+
+def test_a_saved_tensor_without_grad_comes_back_as_the_same_object() -> None:
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3)
+    b.note = "kept"  # type: ignore[attr-defined]
+    checkpoint(SavesTwo.apply, a, b).sum().backward()
+    assert SavesTwo.seen[1] is b and SavesTwo.seen[1].note == "kept"  # type: ignore[attr-defined]
+    assert torch.equal(a.grad, b)
+
+
+def test_saved_tensors_read_twice_in_one_backward() -> None:
+    # Deliberate difference: torch raises on a second unpack of the same saved
+    # tensor within one backward; seqckpt recomputes the region again.
+    class ReadsTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            y = x.exp()
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            (first,) = ctx.saved_tensors
+            (second,) = ctx.saved_tensors
+            return grad * (first + second) / 2
+
+    x = torch.randn(4, requires_grad=True)
+    checkpoint(lambda t: ReadsTwice.apply(t * 2), x).sum().backward()
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).exp())
+
+
+def test_saved_tensor_accessed_from_python_before_backward() -> None:
+    def foo(a: torch.Tensor) -> torch.Tensor:
+        return torch.exp(a * a)
+
+    a = torch.randn(5, requires_grad=True)
+    d = checkpoint(foo, a)
+    first = d.grad_fn._saved_result  # type: ignore[union-attr]
+    second = d.grad_fn._saved_result  # type: ignore[union-attr]
+    assert torch.equal(first, second) and torch.equal(first, d)
+    d.sum().backward()
+    assert torch.equal(a.grad, 2 * a.detach() * d.detach())
+
+
+def test_saved_tensors_are_freed_as_backward_uses_them() -> None:
+    # TestCheckpoint.test_checkpointing_without_reentrant_early_free, on the CPU:
+    # at each step of the backward the live bytes go down, also with
+    # retain_graph=True, exactly as in the plain run.
+    def run(
+        step: Callable[[Callable[[torch.Tensor], torch.Tensor]], None],
+    ) -> list[int]:
+        live: list[int] = []
+        with track_memory("cpu") as mem:
+
+            def fn(x: torch.Tensor) -> torch.Tensor:
+                for i in range(4):  # a chain of ops that each save their input
+                    x = x**2
+                    if i < 3:
+                        x.register_hook(lambda g: live.append(mem.live_bytes()))
+                return x.sum()
+
+            step(fn)
+        return live
+
+    x = torch.zeros(4096, requires_grad=True)
+    x.grad = torch.zeros_like(x)
+    plain = run(lambda fn: fn(x).backward())
+    assert len(plain) == 3 and plain[0] > plain[1] > plain[2]
+    assert run(lambda fn: checkpoint(fn, x).backward()) == plain
+    # With retain_graph the plain run keeps everything; a checkpoint still frees.
+    assert run(lambda fn: checkpoint(fn, x).backward(retain_graph=True)) == plain
+    assert run(lambda fn: fn(x).backward(retain_graph=True))[2] > plain[2]
+
+
+# --------------------------------------------- TestCheckpoint's behaviours
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.counter += 1
+        return x * torch.tensor(2.0)
+
+
+def test_checkpoint_sequential_recomputes_all_but_the_last_segment() -> None:
+    modules = [Net() for _ in range(10)]
+    out = checkpoint_sequential(modules, 2, torch.randn(3, 4, requires_grad=True))
+    assert [m.counter for m in modules] == [1] * 10
+    out.sum().backward()
+    assert [m.counter for m in modules] == [2] * 5 + [1] * 5
+
+
+def test_checkpoint_sequential_with_autograd_grad_create_graph() -> None:
+    model = nn.Sequential(
+        nn.Linear(100, 50), nn.ReLU(), nn.Linear(50, 20), nn.ReLU(), nn.Linear(20, 5)
+    )
+    x = torch.randn(1, 100, requires_grad=True)
+    ones = torch.ones(1, 5)
+    ref = torch.autograd.grad([model(x)], [x], [ones], create_graph=True)
+    out = checkpoint_sequential(list(model.children()), 2, x)
+    assert torch.equal(out, model(x))
+    got = torch.autograd.grad([out], [x], [ones], create_graph=True)
+    assert torch.equal(got[0], ref[0]) and got[0].requires_grad
+
+
+def test_checkpoint_sequential_takes_one_input() -> None:
+    with pytest.raises(TypeError):
+        checkpoint_sequential(
+            nn.Sequential(nn.Identity()), 1, torch.ones(1), torch.ones(1)
+        )  # type: ignore[call-arg]
+
+
+def test_non_tensor_inputs_and_outputs_and_an_input_returned() -> None:
+    def foo(
+        t1: torch.Tensor, t2: torch.Tensor, scale: int, t3: torch.Tensor
+    ) -> tuple[Any, ...]:
+        t4 = t1 + t2 * t3
+        t5 = t1 * t2 + t3
+        t4 *= scale
+        t5 *= scale
+        return scale, t4, None, True, t5, "bar", t1
+
+    t1 = torch.rand(10, requires_grad=True)
+    t2 = torch.rand(10, requires_grad=True)
+    t3 = torch.rand(10)
+    res = checkpoint(foo, t1, t2, 3, t3)
+    ref = foo(t1, t2, 3, t3)
+    assert (res[0], res[2], res[3], res[5]) == (3, None, True, "bar")
+    assert torch.equal(res[1], ref[1]) and torch.equal(res[4], ref[4])
+    assert torch.equal(res[6], t1)
+    torch.autograd.backward([res[1].sum(), res[4].sum(), res[6].sum()])
+    got = (t1.grad, t2.grad)
+    t1.grad = t2.grad = None
+    torch.autograd.backward([ref[1].sum(), ref[4].sum(), ref[6].sum()])
+    assert torch.equal(got[0], t1.grad) and torch.equal(got[1], t2.grad)
+
+
+def test_no_tensors_at_all() -> None:
+    assert checkpoint(lambda a, b: (a + b, "x"), 1.5, 2.0) == (3.5, "x")
+    assert (
+        checkpoint(lambda t, none: t if none is None else 0, torch.ones(2), None).sum()
+        == 2
+    )
+
+
+def test_outputs_that_do_not_require_grad() -> None:
+    def run(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a.exp(), b * 2
+
+    a = torch.randn(4, requires_grad=True)
+    out, other = checkpoint(run, a, torch.randn(4))
+    assert not other.requires_grad
+    out.sum().backward()
+    assert torch.equal(a.grad, a.detach().exp())
+
+
+def test_a_failed_recompute_leaves_the_next_checkpoint_working() -> None:
+    state = {"shape": 3}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x[: state["shape"]].exp().sum()
+
+    x = torch.randn(3, requires_grad=True)
+    y = checkpoint(f, x)
+    state["shape"] = 2
+    with pytest.raises(CheckpointError, match="shape"):
+        y.backward()
+    assert not seqckpt.is_recomputing()
+    state["shape"] = 3
+    x.grad = None
+    checkpoint(f, x).backward()
+    assert torch.equal(x.grad, x.detach().exp())
+
+
+def test_inside_other_saved_tensor_hooks() -> None:
+    # torch.autograd.graph.save_on_cpu and similar hooks around a checkpoint.
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))
+    x = torch.randn(3, 6, requires_grad=True)
+
+    def under_hooks(m: nn.Module, t: torch.Tensor, use: bool) -> torch.Tensor:
+        with torch.autograd.graph.save_on_cpu():
+            return checkpoint(m, t) if use else m(t)
+
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: under_hooks(m, t, True),
+        plain=lambda m, t: under_hooks(m, t, False),
+    )
