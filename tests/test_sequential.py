@@ -306,5 +306,5 @@ def test_int_segments_never_start_at_an_in_place_module() -> None:
     x = torch.randn(5, 6, requires_grad=True)
     for k in range(1, len(model) + 1):
         assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, k, t))
-    plan = seqckpt.sequential.resolve_plan(3, list(model))
+    plan = seqckpt.executor.resolve_plan(3, list(model))
     assert [i.start for i in plan.items if isinstance(i, Recompute)] == [0, 3]

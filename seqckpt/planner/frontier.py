@@ -22,6 +22,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from seqckpt._tree import tensors_in
+from seqckpt.executor import resolve_plan, run_plan
 from seqckpt.memory import timed, track_memory
 from seqckpt.planner.budget import format_bytes
 from seqckpt.planner.cost import CostModel
@@ -97,16 +98,14 @@ def measure_step(
     :func:`seqckpt.checkpoint_sequential` takes, or a function
     ``(model, x) -> output``). The model's gradients and buffers are changed as
     by any training step."""
-    from seqckpt.sequential import checkpoint_sequential
-
     dev = torch.device(device)
     if callable(segments):
         forward = segments
     else:
-        chosen = segments
+        plan = resolve_plan(segments, list(model))
 
         def forward(m: nn.Sequential, t: Any) -> Any:
-            return checkpoint_sequential(m, chosen, t)
+            return run_plan(plan, list(m), t)
 
     peak = measure_peak(model, x, forward, dev)
     seconds = statistics.median(

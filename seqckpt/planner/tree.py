@@ -2,7 +2,7 @@
 kept or recomputed, and how a recomputed stretch is itself run when recomputed.
 
 Every schedule is a plan: ``k`` uniform segments, explicit segment sizes, the
-planner's optimum. One executor (:func:`seqckpt.sequential.run_plan`) runs them all.
+planner's optimum. One executor (:func:`seqckpt.executor.run_plan`) runs them all.
 """
 
 from __future__ import annotations
