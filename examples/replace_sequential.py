@@ -11,6 +11,7 @@ import copy
 import torch
 from torch import nn
 
+import seqckpt
 from seqckpt import CheckpointedSequential
 
 
@@ -37,20 +38,11 @@ class TinyResNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
-def checkpoint_stages(model: nn.Module, segments: int) -> nn.Module:
-    """Swap every direct nn.Sequential child for a CheckpointedSequential."""
-    for name, child in model.named_children():
-        if type(child) is nn.Sequential:
-            setattr(
-                model, name, CheckpointedSequential.from_sequential(child, segments)
-            )
-    return model
-
-
 torch.manual_seed(0)
 model = TinyResNet()
 reference = copy.deepcopy(model)
-checkpoint_stages(model, segments=2)
+seqckpt.checkpoint_blocks(model, segments=2)  # both stages swapped, in place
+assert isinstance(model.stage1, CheckpointedSequential)
 assert list(model.state_dict()) == list(reference.state_dict())
 
 # A stack of transformer blocks, as many models hold them:

@@ -21,7 +21,11 @@ from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import CheckpointError, checkpoint
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
-from seqckpt.sequential import CheckpointedSequential, checkpoint_sequential
+from seqckpt.sequential import (
+    CheckpointedSequential,
+    checkpoint_blocks,
+    checkpoint_sequential,
+)
 from seqckpt.validation import validate
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "checkpoint",
+    "checkpoint_blocks",
     "checkpoint_sequential",
     "is_checkpointing",
     "is_recomputing",

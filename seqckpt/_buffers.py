@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -128,6 +128,17 @@ def watching_modules(seen: Callable[[nn.Module], None]) -> Iterator[None]:
         handle.remove()
 
 
+def _any_buffers(modules: list[nn.Module]) -> bool:
+    """Whether any of ``modules`` or their submodules holds a buffer."""
+    todo = modules[:]
+    while todo:
+        m = todo.pop()
+        if m._buffers:
+            return True
+        todo.extend(m._modules.values())  # type: ignore[arg-type]
+    return False
+
+
 def _snapshot(b: torch.Tensor) -> torch.Tensor:
     return (b.detach() if b.requires_grad else b).clone()
 
@@ -159,6 +170,19 @@ class BufferGuard:
     """
 
     __slots__ = ("conservative", "visited", "entries")
+
+    @staticmethod
+    def of(modules: Iterable[nn.Module], conservative: bool) -> BufferGuard | None:
+        """A guard over the buffers of ``modules`` and their submodules; None
+        when there are none (and none can be found later: not conservative)."""
+        if not conservative:
+            modules = list(modules)
+            if not _any_buffers(modules):
+                return None
+        guard = BufferGuard(conservative)
+        for module in modules:
+            guard.watch(module)
+        return guard if guard.entries or conservative else None
 
     def __init__(self, conservative: bool) -> None:
         self.conservative = conservative
@@ -202,9 +226,11 @@ class BufferGuard:
                 if e[5] or e[2]._version != e[3] or _held(e[0], e[1]) is not e[2]
             ]
 
-    def replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    def replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor]] | None:
         """Put the first-run values in place; returns what :meth:`restore` needs:
         per entry the tensor the module holds now and its values now."""
+        if not self.entries:
+            return None
         undo: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         with torch.no_grad():
             for module, name, tensor, _, first, _ in self.entries:

@@ -13,8 +13,9 @@ Internal: nothing here is public API.
 
 from __future__ import annotations
 
+import contextvars
 import functools
-import threading
+import operator
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from typing import Any
@@ -23,12 +24,42 @@ import torch
 
 # --------------------------------------------------------------------------- flags
 
-_tls = threading.local()
+# Depth of first runs and of recomputes on this thread (context variables are
+# per thread, and cheaper to read and set than a threading.local).
+_CHECKPOINTING: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "seqckpt_checkpointing", default=0
+)
+_RECOMPUTING: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "seqckpt_recomputing", default=0
+)
+CHECKPOINTING, RECOMPUTING = _CHECKPOINTING, _RECOMPUTING
+
+Phase = tuple[contextvars.Token[int], bool]
 
 
-def _depth(name: str) -> int:
-    value: int = getattr(_tls, name, 0)
-    return value
+def begin(phase: contextvars.ContextVar[int]) -> Phase:
+    """Enter a first run (:data:`CHECKPOINTING`) or a recompute
+    (:data:`RECOMPUTING`): one level deeper in that flag, and TorchScript made to
+    run unoptimised (see :func:`end`)."""
+    token = phase.set(phase.get() + 1)
+    previous: bool = torch._C._get_graph_executor_optimize()
+    if previous:
+        torch._C._set_graph_executor_optimize(False)
+    return token, previous
+
+
+def end(phase: contextvars.ContextVar[int], state: Phase) -> None:
+    """Undo :func:`begin`.
+
+    TorchScript runs unoptimised inside regions: the profiling executor runs a
+    different graph on a module's first calls than on later ones (it saves 5
+    tensors, then 7, for a two-layer MLP), which would make a recompute disagree
+    with its forward. The unoptimised executor always runs the same graph.
+    """
+    token, previous = state
+    if previous:
+        torch._C._set_graph_executor_optimize(True)
+    phase.reset(token)
 
 
 def is_checkpointing() -> bool:
@@ -47,7 +78,7 @@ def is_checkpointing() -> bool:
         >>> seqckpt.is_checkpointing()
         False
     """
-    return _depth("checkpointing") > 0
+    return _CHECKPOINTING.get() > 0
 
 
 def is_recomputing() -> bool:
@@ -61,22 +92,12 @@ def is_recomputing() -> bool:
         >>> seen = []
         >>> def f(x):
         ...     seen.append(seqckpt.is_recomputing())
-        ...     return x.sin()
+        ...     return (x * 2).sin()  # sin saves x * 2: recomputed in backward
         >>> seqckpt.checkpoint(f, torch.ones(2, requires_grad=True)).sum().backward()
         >>> seen
         [False, True]
     """
-    return _depth("recomputing") > 0
-
-
-def enter(name: str) -> None:
-    """Increment the thread-local depth ``name`` ("checkpointing" or "recomputing")."""
-    setattr(_tls, name, _depth(name) + 1)
-
-
-def leave(name: str) -> None:
-    """Undo one :func:`enter` of ``name``."""
-    setattr(_tls, name, _depth(name) - 1)
+    return _RECOMPUTING.get() > 0
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -88,11 +109,14 @@ def accelerator_devices(tensors: Iterable[torch.Tensor]) -> tuple[torch.device, 
     its inputs live on the CPU)."""
     found: dict[torch.device, None] = {}
     for t in tensors:
-        if t.device.type not in ("cpu", "meta"):
+        if not t.is_cpu and not t.is_meta:
             found[t.device] = None
     if cuda_initialized():
         found[torch.device("cuda", torch.cuda.current_device())] = None
     return tuple(found)
+
+
+_CPU_GENERATOR = torch.default_generator
 
 
 class RngState:
@@ -109,14 +133,16 @@ class RngState:
     @staticmethod
     def capture(devices: tuple[torch.device, ...]) -> RngState:
         return RngState(
-            torch.get_rng_state(),
+            _CPU_GENERATOR.get_state(),
             tuple(
                 (d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices
-            ),
+            )
+            if devices
+            else (),
         )
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        _CPU_GENERATOR.set_state(self.cpu)
         for d, state in self.devices:
             torch.get_device_module(d.type).set_rng_state(state, d)
 
@@ -136,9 +162,12 @@ def cuda_initialized() -> bool:
     return _CUDA and bool(getattr(torch.cuda, "_initialized", True))
 
 
+_NO_DEVICES_TYPES = ("cpu", "cuda") if _CUDA else ("cpu",)
+
+
 def _autocast_types(devices: tuple[torch.device, ...]) -> tuple[str, ...]:
     if not devices:
-        return ("cpu", "cuda") if _CUDA else ("cpu",)
+        return _NO_DEVICES_TYPES
     types = {"cpu": None, "cuda": None} if _CUDA else {"cpu": None}
     for d in devices:
         types[d.type] = None
@@ -161,9 +190,6 @@ def _default_device() -> torch.device | None:
 # (getter, setter) names in torch._C, and whether the switch can change what runs
 # on the CPU; a build or version without a switch skips it.
 _C_SWITCHES = (
-    # The legacy matmul precision first: setting it also moves the fp32
-    # precision switches, which are then set to their own captured values.
-    ("_get_float32_matmul_precision", "_set_float32_matmul_precision", True),
     ("_get_mkldnn_enabled", "_set_mkldnn_enabled", True),
     ("_get_mkldnn_deterministic", "_set_mkldnn_deterministic", True),
     ("_get_nnpack_enabled", "_set_nnpack_enabled", True),
@@ -204,15 +230,30 @@ _FP32_OPS = (
 Switch = tuple[Callable[[], Any], Callable[[Any], None]]
 
 
-def _deterministic() -> tuple[bool, bool]:
-    return (
-        torch._C._get_deterministic_algorithms(),
-        torch._C._get_deterministic_algorithms_warn_only(),
-    )
+def _set_deterministic(mode: bool) -> None:
+    warn_only = torch._C._get_deterministic_algorithms_warn_only()
+    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
 
 
-def _set_deterministic(value: tuple[bool, bool]) -> None:
-    torch._C._set_deterministic_algorithms(value[0], warn_only=value[1])
+def _set_deterministic_warn_only(warn_only: bool) -> None:
+    mode = torch._C._get_deterministic_algorithms()
+    torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+
+
+_MIXED = "mixed"  # the legacy matmul precision after both APIs were used
+
+
+def _matmul_precision() -> str:
+    try:
+        value: str = torch._C._get_float32_matmul_precision()
+    except RuntimeError:  # torch raises once legacy and new TF32 APIs are mixed
+        return _MIXED
+    return value
+
+
+def _set_matmul_precision(value: str) -> None:
+    if value != _MIXED:
+        torch._C._set_float32_matmul_precision(value)
 
 
 def _spread(put: Callable[..., None]) -> Callable[[Any], None]:
@@ -228,25 +269,25 @@ def _spread(put: Callable[..., None]) -> Callable[[Any], None]:
     return set_value
 
 
-def _set_priority(order: tuple[int, ...]) -> None:
-    torch._C._set_sdp_priority_order(list(order))
-
-
-def _priority() -> tuple[int, ...]:
-    return tuple(torch._C._get_sdp_priority_order())
-
-
 def _switches() -> tuple[list[Switch], list[Switch]]:
     """(the switches that matter on the CPU, all switches) of this build."""
     c = torch._C
     candidates: list[tuple[Any, Any, bool]] = [
         (torch.get_default_dtype, torch.set_default_dtype, True),
-        (_deterministic, _set_deterministic, True),
+        (c._get_deterministic_algorithms, _set_deterministic, True),
+        (
+            c._get_deterministic_algorithms_warn_only,
+            _set_deterministic_warn_only,
+            True,
+        ),
     ]
     for get_name, set_name, cpu in _C_SWITCHES:
         get, put = getattr(c, get_name, None), getattr(c, set_name, None)
         if get is not None and put is not None:
             candidates.append((get, _spread(put), cpu))
+    # The legacy matmul precision before the fp32-precision switches: setting it
+    # moves them too, and those still different afterwards are set one by one.
+    candidates.append((_matmul_precision, _set_matmul_precision, True))
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend, op, cpu in _FP32_OPS:
             candidates.append(
@@ -256,8 +297,8 @@ def _switches() -> tuple[list[Switch], list[Switch]]:
                     cpu,
                 )
             )
-    if hasattr(c, "_get_sdp_priority_order"):
-        candidates.append((_priority, _set_priority, True))
+    if hasattr(c, "_get_sdp_priority_order"):  # a list of backend numbers
+        candidates.append((c._get_sdp_priority_order, c._set_sdp_priority_order, True))
     usable: list[tuple[Any, Any, bool]] = []
     for get, put, cpu in candidates:
         try:
@@ -274,8 +315,21 @@ def _switches() -> tuple[list[Switch], list[Switch]]:
 CPU_SWITCHES, ALL_SWITCHES = _switches()
 
 
-def _read(switches: list[Switch]) -> list[Any]:
-    return [get() for get, _ in switches]
+def _autocast(types: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """Autocast per device type (enabled, dtype) and the cache flag; None when
+    autocast is off everywhere (one call, the common case)."""
+    if not torch._C._is_any_autocast_enabled():
+        return None
+    state: list[Any] = [torch.is_autocast_cache_enabled()]
+    for t in types:
+        state += (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
+    return tuple(state)
+
+
+_GETTERS: dict[bool, list[Callable[[], Any]]] = {
+    cpu_only: [_default_device] + [get for get, _ in switches]
+    for cpu_only, switches in ((True, CPU_SWITCHES), (False, ALL_SWITCHES))
+}
 
 
 class Ambient:
@@ -284,46 +338,51 @@ class Ambient:
     ``torch.device(...)`` context, and the backend switches (all of them once
     CUDA is in use, else those that matter on the CPU)."""
 
-    __slots__ = ("autocast", "cache", "device", "switches", "values")
+    __slots__ = ("types", "autocast", "values")
 
     def __init__(self, devices: tuple[torch.device, ...]) -> None:
-        self.autocast = [
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
-            for t in _autocast_types(devices)
-        ]
-        self.cache = torch.is_autocast_cache_enabled()
-        self.device = _default_device()
-        self.switches = ALL_SWITCHES if devices else CPU_SWITCHES
-        self.values = _read(self.switches)
+        self.types = types = _autocast_types(devices)
+        self.autocast = _autocast(types)
+        self.values = list(map(operator.call, _GETTERS[types == ("cpu",)]))
+
+    @property
+    def switches(self) -> list[Switch]:
+        return CPU_SWITCHES if self.types == ("cpu",) else ALL_SWITCHES
 
     def replay(self) -> tuple[ExitStack | None, list[tuple[Switch, Any]]] | None:
         """Make the current state equal to what was captured; None when it
         already is (the common case), else what :meth:`undo` needs."""
-        now = _read(self.switches)
-        autocast_same = all(
-            torch.is_autocast_enabled(t) == enabled
-            and torch.get_autocast_dtype(t) == dtype
-            for t, enabled, dtype in self.autocast
-        )
-        device = _default_device()
-        if now == self.values and autocast_same and device == self.device:
+        types = self.types
+        now = list(map(operator.call, _GETTERS[types == ("cpu",)]))
+        autocast = _autocast(types)
+        then = self.values
+        if now == then and autocast == self.autocast:
             return None
         stack = None
-        if not autocast_same:
+        if autocast != self.autocast:
             stack = ExitStack()
-            for t, enabled, dtype in self.autocast:
+            wanted = self.autocast or (True, *(x for _ in types for x in (False, None)))
+            for i, t in enumerate(types):
+                enabled, dtype = wanted[1 + 2 * i], wanted[2 + 2 * i]
                 stack.enter_context(
                     torch.autocast(
-                        t, dtype=dtype, enabled=enabled, cache_enabled=self.cache
+                        t,
+                        dtype=dtype or torch.get_autocast_dtype(t),
+                        enabled=enabled,
+                        cache_enabled=wanted[0],
                     )
                 )
-        if device != self.device:
+        if now[0] != then[0]:  # the default device
             stack = stack or ExitStack()
-            stack.enter_context(torch.device(self.device or "cpu"))
+            stack.enter_context(torch.device(then[0] or "cpu"))
         changed = []
-        for switch, then, current in zip(self.switches, self.values, now, strict=True):
-            if then != current:
-                switch[1](then)
+        for switch, value, current in zip(
+            self.switches, then[1:], now[1:], strict=True
+        ):
+            # Read again: setting one switch can move others (the legacy matmul
+            # precision moves the fp32 ones).
+            if value != current and switch[0]() != value:
+                switch[1](value)
                 changed.append((switch, current))
         return stack, changed
 
@@ -333,29 +392,8 @@ class Ambient:
         if token is None:
             return
         stack, changed = token
-        for (_, put), value in reversed(changed):
-            put(value)
+        for (get, put), value in changed:  # in order, as replay set them
+            if get() != value:
+                put(value)
         if stack is not None:
             stack.close()
-
-
-# ---------------------------------------------------------------------- TorchScript
-
-
-def plain_torchscript() -> bool:
-    """Make TorchScript code run unoptimised; return the previous setting, to be
-    given back to :func:`restore_torchscript`.
-
-    The profiling executor runs a different graph on a module's first calls than
-    on later ones (it saves 5 tensors, then 7, for a two-layer MLP), which would
-    make a recompute disagree with its forward. The unoptimised executor always
-    runs the same graph. ``torch.jit.optimized_execution`` wraps the same two
-    calls in a generator context manager, too slow for a per-layer hot path.
-    """
-    previous: bool = torch._C._get_graph_executor_optimize()
-    torch._C._set_graph_executor_optimize(False)
-    return previous
-
-
-def restore_torchscript(previous: bool) -> None:
-    torch._C._set_graph_executor_optimize(previous)

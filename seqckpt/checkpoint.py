@@ -154,14 +154,24 @@ def checkpoint(
         >>> x.grad.shape
         torch.Size([4, 8])
     """
-    options = make_options(
-        preserve_rng_state=preserve_rng_state,
-        determinism_check=determinism_check,
-        context_fn=context_fn,
-        debug=debug,
-        early_stop=early_stop,
-        use_reentrant=use_reentrant,
-    )
+    if (
+        context_fn is None
+        and determinism_check == "default"
+        and debug is False
+        and early_stop is True
+        and preserve_rng_state is True
+        and (use_reentrant is None or use_reentrant is True or use_reentrant is False)
+    ):
+        options = DEFAULT_OPTIONS  # the common call, checked cheaply
+    else:
+        options = make_options(
+            preserve_rng_state=preserve_rng_state,
+            determinism_check=determinism_check,
+            context_fn=context_fn,
+            debug=debug,
+            early_stop=early_stop,
+            use_reentrant=use_reentrant,
+        )
     _check_function(function)
     return run_region(function, args, kwargs, options)
 
@@ -408,6 +418,7 @@ class _Region:
         "recomputed",
         "guard",
         "in_forward",
+        "input_ids",
         "recompute_context",
         "forward_ops",
     )
@@ -440,6 +451,7 @@ class _Region:
             # Not nested: hold the inputs directly and watch their versions.
             self.inputs: list[torch.Tensor] | None = inputs
             self.versions: list[int] | None = [t._version for t in inputs]
+            self.input_ids: set[int] | None = {id(t) for t in inputs}
             self.saver = None
         else:
             # Nested in another region (or other saved-tensor hooks): save the
@@ -448,27 +460,35 @@ class _Region:
             self.saver = _SaveInputs.apply(dummy, *inputs)  # type: ignore[no-untyped-call]
             self.inputs = None
             self.versions = None
+            self.input_ids = None
         self.args, self.kwargs = args, kwargs
-        self.guard = BufferGuard(conservative=options.determinism_check == "values")
-        for module in modules_of(function) if modules is None else modules:
-            self.guard.watch(module)
+        self.guard = BufferGuard.of(
+            modules_of(function) if modules is None else modules,
+            conservative=options.determinism_check == "values",
+        )
 
     # ------------------------------------------------------------------ forward
 
     def run(self) -> Any:
         options = self.options
         extra: ExitStack | None = None
-        if options.context_fn is not None or options.debug or self.guard.conservative:
+        guard = self.guard
+        if (
+            options.context_fn is not None
+            or options.debug
+            or (guard and guard.conservative)
+        ):
             extra = ExitStack()
-            if self.guard.conservative:  # every module called, however reached
-                extra.enter_context(watching_modules(self.guard.watch))
+            if (
+                guard is not None and guard.conservative
+            ):  # every module, however reached
+                extra.enter_context(watching_modules(guard.watch))
             if options.context_fn is not None:
                 forward_context, self.recompute_context = options.context_fn()
                 extra.enter_context(forward_context)
             if options.debug:
                 log = extra.enter_context(_OpLog())
-        previous = _state.plain_torchscript()
-        _state.enter("checkpointing")
+        phase = _state.begin(_state.CHECKPOINTING)
         self.in_forward = True
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         try:
@@ -481,9 +501,9 @@ class _Region:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             self.in_forward = False
             self.recomputed = None  # tensors recomputed for a backward run inside
-            _state.leave("checkpointing")
-            _state.restore_torchscript(previous)
-            self.guard.settle()
+            _state.end(_state.CHECKPOINTING, phase)
+            if guard is not None:
+                guard.settle()
             if self.saver is not None:
                 # The saver node holds the inputs now; drop our references.
                 self.args = replace_tensors(self.args, _placeholders(self.args))
@@ -499,7 +519,11 @@ class _Region:
             self.forward_ops = log.ops
         return output
 
-    def _pack(self, t: torch.Tensor) -> int:
+    def _pack(self, t: torch.Tensor) -> Any:
+        if _is_parameter(t):
+            return t  # alive anyway: nothing to drop, nothing to recompute
+        if self.input_ids is not None and id(t) in self.input_ids:
+            return (t, t._version)  # an input of the region, held anyway
         index = len(self.metas)
         check = self.options.determinism_check
         if check == "none":
@@ -512,7 +536,14 @@ class _Region:
 
     # ----------------------------------------------------------------- backward
 
-    def _unpack(self, index: int) -> torch.Tensor:
+    def _unpack(self, index: Any) -> torch.Tensor:
+        if type(index) is not int:
+            if type(index) is tuple:
+                held, version = index
+                if held._version != version:
+                    raise self._modified_input(held)
+                return held  # type: ignore[no-any-return]
+            return index  # type: ignore[no-any-return]
         saved = self.recomputed
         if saved is None or index >= len(saved) or saved[index] is None:
             saved = self.recomputed = self._recompute()
@@ -525,23 +556,28 @@ class _Region:
         if self.saver is None:
             assert self.inputs is not None and self.versions is not None
             if [t._version for t in self.inputs] != self.versions:
-                i, t = next(
-                    (i, t)
-                    for i, (t, v) in enumerate(zip(self.inputs, self.versions))  # noqa: B905
-                    if t._version != v
-                )
-                raise CheckpointError(
-                    f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
-                    f"checkpointed {_name(self.function)} was modified in place "
-                    "after it was passed in, so the recompute would see other "
-                    "values. Pass a clone, or move the in-place operation after "
-                    "the backward."
+                raise self._modified_input(
+                    next(
+                        t
+                        for t, v in zip(self.inputs, self.versions)  # noqa: B905
+                        if t._version != v
+                    )
                 )
             return self.args, self.kwargs
         assert self.saver.grad_fn is not None
         tensors = list(self.saver.grad_fn.saved_tensors)
         return replace_tensors(self.args, tensors), replace_tensors(
             self.kwargs, tensors[len(tensors_in(self.args)) :]
+        )
+
+    def _modified_input(self, t: torch.Tensor) -> CheckpointError:
+        assert self.inputs is not None
+        i = next(i for i, u in enumerate(self.inputs) if u is t)
+        return CheckpointError(
+            f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
+            f"checkpointed {_name(self.function)} was modified in place "
+            "after it was passed in, so backward would see other values. Pass a "
+            "clone, or move the in-place operation after the backward."
         )
 
     def _recompute(self) -> list[torch.Tensor | None]:
@@ -560,9 +596,12 @@ class _Region:
         run_to_end = not self.in_forward and (fingerprint or not options.early_stop)
         wanted = -1 if run_to_end else len(self.metas)
         stopped = False
+        input_ids = self.input_ids
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal stopped
+            if _is_parameter(t) or (input_ids is not None and id(t) in input_ids):
+                return t  # held by the forward's graph, as in _pack
             detached = t.detach()
             if stopped:  # the function caught the stop and went on
                 return detached
@@ -586,10 +625,9 @@ class _Region:
         caller_rng = self.rng.current() if self.rng is not None else None
         undo = ambient = None
         grad_mode = torch.is_grad_enabled()
-        previous = _state.plain_torchscript()
-        _state.enter("recomputing")
+        phase = _state.begin(_state.RECOMPUTING)
         try:
-            undo = self.guard.replay()
+            undo = self.guard.replay() if self.guard is not None else None
             if self.rng is not None:
                 self.rng.restore()
             ambient = self.ambient.replay()
@@ -611,11 +649,11 @@ class _Region:
         finally:
             torch.set_grad_enabled(grad_mode)
             _state.Ambient.undo(ambient)
-            _state.leave("recomputing")
-            _state.restore_torchscript(previous)
+            _state.end(_state.RECOMPUTING, phase)
             if caller_rng is not None:
                 caller_rng.restore()
             if undo is not None:
+                assert self.guard is not None
                 self.guard.restore(undo)
         self._verify(collected, prints, log.ops if options.debug else None)
         return collected
@@ -674,3 +712,21 @@ class _Region:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+_Parameter, _Tensor = nn.Parameter, torch.Tensor
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (``weight.t()`` saved by a linear layer):
+    kept alive by its module, so a region holds it instead of recomputing it.
+    (``isinstance(t, nn.Parameter)`` runs a Python ``__instancecheck__``; plain
+    tensors are ruled out by their type first.)"""
+    kind = type(t)
+    if kind is _Parameter or (kind is not _Tensor and isinstance(t, _Parameter)):
+        return True
+    base = t._base
+    if base is None:
+        return False
+    kind = type(base)
+    return kind is _Parameter or (kind is not _Tensor and isinstance(base, _Parameter))

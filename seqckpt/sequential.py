@@ -24,7 +24,7 @@ from seqckpt.planner.budget import parse_budget
 from seqckpt.planner.planning import auto_plan
 from seqckpt.planner.tree import Plan, default_segments
 
-__all__ = ["CheckpointedSequential", "checkpoint_sequential"]
+__all__ = ["CheckpointedSequential", "checkpoint_blocks", "checkpoint_sequential"]
 
 Segments = int | Sequence[int] | Plan | str
 
@@ -234,3 +234,73 @@ class CheckpointedSequential(nn.Sequential):
         if self.memory_budget is not None:
             parts.append(f"memory_budget={self.memory_budget!r}")
         return ", ".join(parts)
+
+
+def checkpoint_blocks(
+    model: nn.Module, segments: int | None = None, **options: Any
+) -> nn.Module:
+    """Checkpoint the stacks of repeated blocks inside ``model``, in place.
+
+    Every ``nn.Sequential`` whose children are two or more modules of one class
+    (torchvision's ResNet stages, timm's ViT ``blocks``, ConvNeXt's per-stage
+    ``blocks``) becomes a :class:`CheckpointedSequential` over the same module
+    objects, so parameters, optimisers and ``state_dict`` keys are unchanged.
+    Only the innermost such stacks are swapped (ConvNeXt's ``stages`` holds
+    stacks of blocks and stays as it is), so checkpoints do not nest. This is
+    seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``; leave
+    that off.
+
+    Args:
+        model: any module.
+        segments: segments per stack, at most the stack's length (``len`` of
+            a stack checkpoints every block but the last, as timm does); None:
+            :class:`CheckpointedSequential`'s default.
+        **options: checkpoint options for every stack (``determinism_check``,
+            ``preserve_rng_state``, ``context_fn``, ...).
+
+    Returns:
+        ``model``.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> stage = lambda: torch.nn.Sequential(
+        ...     *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        ...       for _ in range(4)])
+        >>> model = torch.nn.Sequential(stage(), torch.nn.Linear(8, 8), stage())
+        >>> _ = seqckpt.checkpoint_blocks(model, segments=2)
+        >>> [type(m).__name__ for m in model]
+        ['CheckpointedSequential', 'Linear', 'CheckpointedSequential']
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"seqckpt: argument 'model' must be an nn.Module, got "
+            f"{type(model).__name__}."
+        )
+    if segments is not None and (
+        isinstance(segments, bool) or not isinstance(segments, int) or segments < 1
+    ):
+        raise ValueError(
+            f"seqckpt: argument 'segments' must be an int >= 1 or None, got "
+            f"{segments!r}."
+        )
+    stacks = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if _is_stack(child)
+        and not any(_is_stack(m) for m in child.modules() if m is not child)
+    ]
+    for parent, name, child in stacks:
+        assert isinstance(child, nn.Sequential)
+        k = None if segments is None else min(segments, len(child))
+        setattr(
+            parent, name, CheckpointedSequential.from_sequential(child, k, **options)
+        )
+    return model
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """An nn.Sequential of two or more modules of one class."""
+    if type(module) is not nn.Sequential or len(module) < 2:
+        return False
+    return len({type(m) for m in module}) == 1

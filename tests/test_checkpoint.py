@@ -57,11 +57,33 @@ def test_parity_when_input_needs_no_grad() -> None:
 
 
 def test_recompute_happens_once_per_backward() -> None:
-    block = Counting(nn.Linear(4, 4))
+    block = Counting(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
     y = checkpoint(block, torch.randn(2, 4, requires_grad=True))
     assert block.calls == 1
     y.sum().backward()
     assert block.calls == 2
+
+
+def test_no_recompute_when_only_inputs_and_parameters_are_saved() -> None:
+    # A linear layer saves its input and (a view of) its weight: both are alive
+    # anyway, so the region holds them and backward needs no recompute.
+    block = Counting(nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    y = checkpoint(block, x)
+    y.sum().backward()
+    assert block.calls == 1
+    ref = nn.Linear(4, 4)
+    ref.load_state_dict(block.inner.state_dict())
+    x2 = x.detach().requires_grad_()
+    ref(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(block.inner.weight.grad, ref.weight.grad)
+    # ...and an input changed in place before backward is still caught.
+    h = x * 1
+    y = checkpoint(block, h)
+    h.mul_(2)
+    with pytest.raises(CheckpointError, match="modified in place"):
+        y.sum().backward()
 
 
 def test_keeps_no_activation_of_the_function() -> None:
@@ -883,3 +905,19 @@ def test_regions_on_cuda_capture_the_cuda_switches_too() -> None:
         assert torch.backends.cudnn.benchmark == (not usual)
     finally:
         torch.backends.cudnn.benchmark = usual
+
+
+def test_mixed_tf32_apis_do_not_break_the_capture() -> None:
+    # After the legacy and the fp32-precision APIs were both used, torch's
+    # legacy getter raises; capturing and replaying the switches must not.
+    c = torch._C
+    if not hasattr(c, "_get_fp32_precision_getter"):
+        pytest.skip("this torch has no fp32-precision API")
+    usual = c._get_fp32_precision_getter("mkldnn", "matmul")
+    try:
+        c._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
+        x = torch.randn(3, requires_grad=True)
+        checkpoint(lambda t: t.exp(), x).sum().backward()
+        assert torch.equal(x.grad, x.detach().exp())
+    finally:
+        c._set_fp32_precision_setter("mkldnn", "matmul", usual)

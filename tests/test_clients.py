@@ -1,0 +1,56 @@
+"""Real clients, where they are installed: torchvision ResNets, timm models and
+HF transformers trained with seqckpt (examples/real_models.py), bitwise equal
+to their plain runs and lighter. CI does not install them (the torchvision
+wheel reachable there does not import against the CPU build of torch); these
+tests skip cleanly without them and must pass where they are installed."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "real_models.py"
+
+
+@pytest.fixture(scope="module")
+def example() -> dict[str, Any]:
+    return runpy.run_path(str(EXAMPLE))  # definitions only: no __main__ run
+
+
+def check(example: dict[str, Any], package: str) -> None:
+    pytest.importorskip(package)
+    results = example["CHECKS"][package]()  # asserts bitwise equality inside
+    assert results
+    for name, (plain, checkpointed) in results.items():
+        assert checkpointed < plain, f"{package} {name}: peak did not drop"
+
+
+@pytest.mark.slow
+def test_torchvision_resnets(example: dict[str, Any]) -> None:
+    check(example, "torchvision")
+
+
+@pytest.mark.slow
+def test_timm_models(example: dict[str, Any]) -> None:
+    check(example, "timm")
+
+
+@pytest.mark.slow
+def test_hf_transformers_with_seqckpt_as_the_checkpoint_function(
+    example: dict[str, Any],
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)
+    model = example["use_seqckpt"](transformers.GPT2LMHeadModel(config))
+    functions = [
+        m._gradient_checkpointing_func
+        for m in model.modules()
+        if getattr(m, "gradient_checkpointing", False)
+    ]
+    assert functions and all(
+        f.func.__module__ == "seqckpt.checkpoint" for f in functions
+    )
+    check(example, "transformers")
