@@ -18,7 +18,7 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
-from bench.workloads import paired_ratio, peak_bytes, run_benchmark, size
+from bench.workloads import device, paired_ratio, peak_bytes, run_benchmark, size
 
 Block = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -52,8 +52,10 @@ def test_every_block_checkpointed(benchmark, chain_name: str, variant: str) -> N
     torch.manual_seed(0)
     model = nn.Sequential(
         *[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(blocks)]
+    ).to(device())
+    x = torch.randn(
+        2 if size() == "tiny" else batch, width, device=device(), requires_grad=True
     )
-    x = torch.randn(2 if size() == "tiny" else batch, width, requires_grad=True)
     forward = every_block(variant)
     benchmark.group = f"overhead-{chain_name}"
     info: dict[str, object] = {

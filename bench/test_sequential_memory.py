@@ -17,6 +17,7 @@ from torch import nn
 
 from bench.workloads import (
     Forward,
+    device,
     paired_ratio,
     peak_bytes,
     plain,
@@ -49,8 +50,10 @@ def activation_heavy_chain(layers: int, width: int = WIDTH) -> nn.Sequential:
 def test_segments_memory_and_time(  # type: ignore[no-untyped-def]
     benchmark, layers: int, segments: int, variant: str
 ) -> None:
-    model = activation_heavy_chain(layers)
-    x = torch.randn(16 if size() == "tiny" else BATCH, WIDTH, requires_grad=True)
+    model = activation_heavy_chain(layers).to(device())
+    x = torch.randn(
+        16 if size() == "tiny" else BATCH, WIDTH, device=device(), requires_grad=True
+    )
     forward = VARIANTS[variant](segments)
     benchmark.group = f"sequential-{layers}layers-{segments}segments"
     info: dict[str, object] = {

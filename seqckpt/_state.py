@@ -119,36 +119,83 @@ def accelerator_devices(tensors: Iterable[torch.Tensor]) -> tuple[torch.device, 
 _CPU_GENERATOR = torch.default_generator
 
 
-class RngState:
-    """The CPU generator state and one state per accelerator device."""
+def cuda_generators() -> tuple[torch.Generator, ...]:
+    """The default generator of every CUDA device once CUDA is initialised
+    (a region may draw on any of them, whatever its inputs are on)."""
+    return tuple(torch.cuda.default_generators) if cuda_initialized() else ()
 
-    __slots__ = ("cpu", "devices")
+
+class RngState:
+    """The CPU generator's state; (seed, offset) of every CUDA device's
+    generator, which is all of a Philox generator's state and cheap to read;
+    and the state of other accelerators the region's inputs are on."""
+
+    __slots__ = ("cpu", "cuda", "devices")
 
     def __init__(
-        self, cpu: torch.Tensor, devices: tuple[tuple[torch.device, torch.Tensor], ...]
+        self,
+        cpu: torch.Tensor,
+        cuda: tuple[tuple[torch.Generator, int, int], ...],
+        devices: tuple[tuple[torch.device, torch.Tensor], ...],
     ) -> None:
         self.cpu = cpu
+        self.cuda = cuda
         self.devices = devices
 
     @staticmethod
     def capture(devices: tuple[torch.device, ...]) -> RngState:
+        others = tuple(d for d in devices if d.type != "cuda") if devices else ()
         return RngState(
             _CPU_GENERATOR.get_state(),
+            tuple((g, g.initial_seed(), g.get_offset()) for g in cuda_generators()),
             tuple(
-                (d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices
-            )
-            if devices
-            else (),
+                (d, torch.get_device_module(d.type).get_rng_state(d)) for d in others
+            ),
         )
 
     def restore(self) -> None:
         _CPU_GENERATOR.set_state(self.cpu)
+        for generator, seed, offset in self.cuda:
+            if generator.initial_seed() != seed or generator.get_offset() != offset:
+                generator.manual_seed(seed)
+                generator.set_offset(offset)
         for d, state in self.devices:
             torch.get_device_module(d.type).set_rng_state(state, d)
 
     def current(self) -> RngState:
         """The caller's state now, on the same devices as this one."""
         return RngState.capture(tuple(d for d, _ in self.devices))
+
+
+# ----------------------------------------------------------------------- streams
+
+
+def cuda_streams(
+    devices: tuple[torch.device, ...],
+) -> tuple[tuple[torch.device, torch.cuda.Stream], ...] | None:
+    """The current stream of each CUDA device among ``devices``: where a
+    region's first run queued its work."""
+    found = tuple(
+        (d, torch.cuda.current_stream(d)) for d in devices if d.type == "cuda"
+    )
+    return found or None
+
+
+def wait_for_streams(
+    streams: tuple[tuple[torch.device, torch.cuda.Stream], ...],
+    inputs: Iterable[torch.Tensor],
+) -> None:
+    """Before a recompute on another stream than its first run (a backward run
+    under ``torch.cuda.stream(...)``, a node on a side stream): make the
+    recompute's stream wait for the first run's, and tell the allocator the
+    region's inputs are used there too, so their memory is not reused early."""
+    for device, first in streams:
+        now = torch.cuda.current_stream(device)
+        if now != first:
+            now.wait_stream(first)
+            for t in inputs:
+                if t.device == device:
+                    t.record_stream(now)
 
 
 # ------------------------------------------------ autocast, device, backend switches
@@ -315,10 +362,16 @@ def _switches() -> tuple[list[Switch], list[Switch]]:
 CPU_SWITCHES, ALL_SWITCHES = _switches()
 
 
+_any_autocast: Callable[[], bool] = getattr(
+    torch._C, "_is_any_autocast_enabled", lambda: True
+)
+_call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
+
+
 def _autocast(types: tuple[str, ...]) -> tuple[Any, ...] | None:
     """Autocast per device type (enabled, dtype) and the cache flag; None when
     autocast is off everywhere (one call, the common case)."""
-    if not torch._C._is_any_autocast_enabled():
+    if not _any_autocast():
         return None
     state: list[Any] = [torch.is_autocast_cache_enabled()]
     for t in types:
@@ -343,7 +396,7 @@ class Ambient:
     def __init__(self, devices: tuple[torch.device, ...]) -> None:
         self.types = types = _autocast_types(devices)
         self.autocast = _autocast(types)
-        self.values = list(map(operator.call, _GETTERS[types == ("cpu",)]))
+        self.values = list(map(_call, _GETTERS[types == ("cpu",)]))
 
     @property
     def switches(self) -> list[Switch]:
@@ -353,7 +406,7 @@ class Ambient:
         """Make the current state equal to what was captured; None when it
         already is (the common case), else what :meth:`undo` needs."""
         types = self.types
-        now = list(map(operator.call, _GETTERS[types == ("cpu",)]))
+        now = list(map(_call, _GETTERS[types == ("cpu",)]))
         autocast = _autocast(types)
         then = self.values
         if now == then and autocast == self.autocast:

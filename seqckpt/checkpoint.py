@@ -364,8 +364,9 @@ def _balanced_split(shape: torch.Size) -> int:
 def _first_mismatch(
     before: list[torch.Tensor | None], after: list[torch.Tensor | None]
 ) -> int | None:
-    """Index of the first saved tensor whose fingerprints differ, with one
-    device synchronisation per device the fingerprints live on."""
+    """Index of the first saved tensor whose fingerprints differ. When none
+    does, this costs one device synchronisation per device the fingerprints
+    live on (one ``bool`` of a comparison of all of them at once)."""
     groups: dict[torch.device, tuple[list[int], list[torch.Tensor], list[torch.Tensor]]]
     groups = {}
     for i, (a, b) in enumerate(zip(before, after, strict=False)):
@@ -378,7 +379,8 @@ def _first_mismatch(
     for indices, xs, ys in groups.values():
         a, b = torch.stack(xs), torch.stack(ys)
         differs = ((a != b) & ~(a.isnan() & b.isnan())).any(dim=1)
-        found.extend(indices[i] for i in differs.nonzero().flatten().tolist())
+        if bool(differs.any()):  # the one synchronisation
+            found.extend(indices[i] for i in differs.nonzero().flatten().tolist())
     return min(found) if found else None
 
 
@@ -419,6 +421,7 @@ class _Region:
         "guard",
         "in_forward",
         "input_ids",
+        "streams",
         "recompute_context",
         "forward_ops",
     )
@@ -447,6 +450,7 @@ class _Region:
             _state.RngState.capture(devices) if options.preserve_rng_state else None
         )
         self.ambient = _state.Ambient(devices)
+        self.streams = _state.cuda_streams(devices) if devices else None
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
             # Not nested: hold the inputs directly and watch their versions.
             self.inputs: list[torch.Tensor] | None = inputs
@@ -584,6 +588,8 @@ class _Region:
         options = self.options
         create_graph = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
+        if self.streams:
+            _state.wait_for_streams(self.streams, self.inputs or ())
         collected: list[torch.Tensor | None] = []
         prints: list[torch.Tensor | None] = []
         fingerprint = options.determinism_check == "values"

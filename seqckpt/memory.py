@@ -8,7 +8,7 @@ storages created inside the block count, so the figure is what the block added
 on top of what was already alive (parameters, the input batch).
 
 Also the device synchronisation every timing uses (:func:`sync_device`,
-:func:`timed`).
+:func:`timed`) and :class:`Stopwatch`, which times calls on CUDA with events.
 """
 
 from __future__ import annotations
@@ -42,12 +42,17 @@ class MemoryStats:
             baseline; filled in when the block ends.
         end_bytes: bytes still allocated by the block when it ended, above the
             baseline.
+        peak_reserved_bytes: on CUDA, the most bytes the caching allocator held
+            from the device at once (allocated plus cached, what ``nvidia-smi``
+            sees), above what it held when the block began; on the CPU, equal
+            to ``peak_bytes`` (there is no caching allocator to count).
     """
 
     device: torch.device
     baseline_bytes: int = 0
     peak_bytes: int = 0
     end_bytes: int = 0
+    peak_reserved_bytes: int = 0
     _meter: _Meter | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -94,6 +99,50 @@ def timed(run: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
+class Stopwatch:
+    """Times several calls on one device without a synchronisation per call.
+
+    On CUDA each call is bracketed by two events and the elapsed times are read
+    after one synchronisation at the end, so a small item is not charged the
+    launch latency and the synchronisation a wall-clock timer around it would
+    count. On the CPU it is ``time.perf_counter`` around each call.
+
+    Example:
+        >>> import torch
+        >>> watch = Stopwatch(torch.device("cpu"))
+        >>> _ = watch.run(lambda: torch.ones(8).sum())
+        >>> len(watch.seconds())
+        1
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def run(self, call: Callable[[], T]) -> T:
+        if self.cuda:
+            start, end = (
+                torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                for _ in range(2)
+            )
+            start.record()
+            result = call()
+            end.record()
+            self.marks.append((start, end))
+        else:
+            began = time.perf_counter()
+            result = call()
+            self.marks.append(time.perf_counter() - began)
+        return result
+
+    def seconds(self) -> list[float]:
+        """The seconds of every call so far, in order."""
+        if not self.cuda:
+            return list(self.marks)
+        torch.cuda.synchronize()
+        return [start.elapsed_time(end) / 1e3 for start, end in self.marks]
+
+
 class _Meter:
     """Live and peak bytes above a baseline, for one device."""
 
@@ -105,8 +154,21 @@ class _Meter:
     def peak(self) -> int:
         raise NotImplementedError
 
+    def peak_reserved(self) -> int:
+        return self.peak()
+
     def reset_peak(self) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """The block ended."""
+
+
+# The CUDA meters open on each device, outermost first. The allocator has one
+# peak counter per device; a meter that resets it first folds the peaks seen so
+# far into the meters around it, so a nested track_memory does not hide an
+# outer block's peak.
+_OPEN_CUDA: dict[torch.device, list[_CudaMeter]] = {}
 
 
 class _CudaMeter(_Meter):
@@ -114,18 +176,42 @@ class _CudaMeter(_Meter):
         torch.cuda.synchronize(device)
         self.device = device
         self.baseline = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        self.reserved_baseline = torch.cuda.memory_reserved(device)
+        self.carried = self.carried_reserved = 0
+        self.open = _OPEN_CUDA.setdefault(device, [])
+        self._reset_device_peak()
+        self.open.append(self)
+
+    def _reset_device_peak(self) -> None:
+        for outer in self.open:
+            if outer is not self:
+                outer.carried = max(
+                    outer.carried, torch.cuda.max_memory_allocated(self.device)
+                )
+                outer.carried_reserved = max(
+                    outer.carried_reserved, torch.cuda.max_memory_reserved(self.device)
+                )
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def live(self) -> int:
         return torch.cuda.memory_allocated(self.device) - self.baseline
 
     def peak(self) -> int:
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        device_peak = torch.cuda.max_memory_allocated(self.device)
+        return max(self.carried, device_peak) - self.baseline
+
+    def peak_reserved(self) -> int:
+        device_peak = torch.cuda.max_memory_reserved(self.device)
+        return max(self.carried_reserved, device_peak) - self.reserved_baseline
 
     def reset_peak(self) -> None:
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._reset_device_peak()
+        self.carried = self.carried_reserved = 0
+
+    def close(self) -> None:
+        self.open.remove(self)
 
 
 class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
@@ -187,10 +273,13 @@ class _CpuMeter(_Meter):
 def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryStats]:
     """Measure the peak bytes that the enclosed code allocates on ``device``.
 
-    On CUDA this uses ``torch.cuda.max_memory_allocated`` after resetting the
-    peak; ``baseline_bytes`` is what was allocated before. On the CPU it counts
-    live tensor storages created inside the block (see the module docstring);
-    memory that kernels allocate internally without a tensor is not seen.
+    On CUDA this uses ``torch.cuda.max_memory_allocated`` (and
+    ``max_memory_reserved``) after resetting the peak; ``baseline_bytes`` is what
+    was allocated before. Blocks may nest: an inner block resets the device's
+    peak counter, and the outer block's peak still covers the inner one. On the
+    CPU it counts live tensor storages created inside the block (see the module
+    docstring); memory that kernels allocate internally without a tensor is not
+    seen.
 
     Example:
         >>> import torch
@@ -217,5 +306,7 @@ def track_memory(device: str | torch.device = "cpu") -> Iterator[MemoryStats]:
                 yield stats
     finally:
         stats.peak_bytes = meter.peak()
+        stats.peak_reserved_bytes = meter.peak_reserved()
         stats.end_bytes = meter.live()
         stats._meter = None
+        meter.close()

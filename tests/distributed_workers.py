@@ -140,4 +140,39 @@ def fsdp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> Non
     _exit_cleanly()
 
 
-WORKERS: dict[str, Callable[..., None]] = {"ddp": ddp_worker, "fsdp": fsdp_worker}
+def auto_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
+    """segments='auto' under DDP with a different budget on each rank: every
+    rank plans with the smallest and uses rank 0's plan."""
+    from seqckpt.planner.planning import _AUTO_CACHE
+
+    _init(rank, port)
+    try:
+        x, expected = _reference()
+        budget = options["budgets"][rank]
+        model = seqckpt.CheckpointedSequential.from_sequential(
+            _model(), segments="auto", memory_budget=budget
+        )
+        ddp = nn.parallel.DistributedDataParallel(model)
+        half = x.chunk(2)[rank].clone().requires_grad_()
+        ddp(half).pow(2).mean().backward()
+        for i, (g, e) in enumerate(zip(ddp.parameters(), expected, strict=True)):
+            assert torch.allclose(g.grad, e, rtol=1e-5, atol=1e-6), f"grad {i}"  # type: ignore[arg-type]
+        from seqckpt.planner.planning import broadcast_text
+
+        (plan,) = _AUTO_CACHE.values()
+        assert broadcast_text(plan.to_json(), torch.device("cpu")) == plan.to_json(), (
+            f"rank {rank} runs another plan than rank 0"
+        )
+        assert plan.predicted_peak_bytes <= min(options["budgets"])  # type: ignore[operator]
+        assert plan.checkpoints() > 0
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    _exit_cleanly()
+
+
+WORKERS: dict[str, Callable[..., None]] = {
+    "ddp": ddp_worker,
+    "fsdp": fsdp_worker,
+    "auto": auto_worker,
+}

@@ -921,3 +921,140 @@ def test_mixed_tf32_apis_do_not_break_the_capture() -> None:
         assert torch.equal(x.grad, x.detach().exp())
     finally:
         c._set_fp32_precision_setter("mkldnn", "matmul", usual)
+
+
+# ------------------------------------------------- device synchronisation
+
+
+SYNCING = {
+    "equal",
+    "_local_scalar_dense",
+    "is_nonzero",
+    "item",
+    "nonzero",
+    "allclose",
+    "masked_select",
+    "unique",
+    "_unique2",
+}
+
+
+class SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):  # type: ignore[misc]
+    """Counts the aten ops that make the host wait for the device (a CUDA
+    synchronisation each), so a CPU run shows what a GPU run would sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ in SYNCING:
+            self.found.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def sync_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.GELU()
+            )
+            for _ in range(6)
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("check", "bound"), [("default", 0), ("none", 0), ("values", 1)]
+)
+def test_no_host_sync_per_region(check: str, bound: int) -> None:
+    from seqckpt.planner import Plan, Recompute, Run
+
+    plan = Plan(
+        (
+            Recompute(0, 3, Plan((Recompute(0, 2, Plan((Run(0, 2),))), Run(2, 3)))),
+            Recompute(3, 5, Plan((Run(3, 5),))),
+            Run(5, 6),
+        )
+    )
+    x = torch.randn(16, 8, requires_grad=True)
+    model = sync_model()
+    with SyncCounter() as plain:
+        model(x).sum().backward()
+    with SyncCounter() as ckpt:
+        seqckpt.checkpoint_sequential(
+            model, plan, x, determinism_check=check
+        ).sum().backward()
+    assert plain.found == []
+    # "values" compares each region's fingerprints once: one sync per region.
+    assert len(ckpt.found) <= bound * plan.checkpoints(), ckpt.found
+    if check == "values":
+        assert ckpt.found, "the comparison this test counts is missing"
+
+
+class FakePhilox:
+    """A CUDA generator's state as seqckpt reads it: a seed and an offset that
+    draws advance. Stands in for torch.cuda.default_generators on the CPU."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.offset, self.reseeded = seed, 0, 0
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def manual_seed(self, seed: int) -> None:
+        self.seed, self.offset = seed, 0
+        self.reseeded += 1
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+    def draw(self) -> float:
+        self.offset += 4
+        return float(self.offset)
+
+
+def test_rng_of_every_cuda_device_is_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The region's input is on the CPU, yet it draws on "device 1": the
+    # recompute must see device 1's first-run offset, and the caller must find
+    # each device as a plain run leaves it.
+    fakes = (FakePhilox(7), FakePhilox(8))
+    monkeypatch.setattr(seqckpt._state, "cuda_generators", lambda: fakes)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * fakes[1].draw()).sin()
+
+    x = torch.randn(4, requires_grad=True)
+    y = checkpoint(f, x)
+    assert fakes[1].offset == 4
+    fakes[1].draw()  # the caller draws between forward and backward
+    y.sum().backward()
+    assert torch.equal(x.grad, 4 * (4 * x.detach()).cos())
+    assert (fakes[0].offset, fakes[1].offset) == (0, 8)
+    assert fakes[0].reseeded == 0  # untouched devices are left alone
+
+
+@pytest.mark.cuda
+def test_cuda_backward_on_another_stream_than_the_forward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).cuda()
+    x = torch.randn(512, 256, device="cuda", requires_grad=True)
+    forward_stream, backward_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def run(use: bool) -> torch.Tensor:
+        x.grad = None
+        forward_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(forward_stream):
+            y = checkpoint(model, x * 2) if use else model(x * 2)
+        backward_stream.wait_stream(forward_stream)
+        with torch.cuda.stream(backward_stream):
+            y.sum().backward()
+        torch.cuda.current_stream().wait_stream(backward_stream)
+        torch.cuda.synchronize()
+        return x.grad.clone()
+
+    assert torch.allclose(run(True), run(False), rtol=1e-5, atol=1e-6)

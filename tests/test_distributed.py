@@ -71,3 +71,8 @@ def test_ddp_gradients_equal_a_single_process(
 @pytest.mark.parametrize("kind", ["module", "plan"])
 def test_fsdp2_gradients_equal_a_single_process(kind: str) -> None:
     run_two_ranks("fsdp", kind, {})
+
+
+def test_segments_auto_gives_every_rank_the_same_plan() -> None:
+    # Rank 1's budget is smaller: both plan with it and run rank 0's plan.
+    run_two_ranks("auto", "module", {"budgets": [200_000, 3_000]})

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
-from seqckpt import track_memory
+from seqckpt import checkpoint_sequential, track_memory
+from seqckpt.models import MODELS
+from seqckpt.planner.frontier import measure_peak
 
 
 def test_known_allocations() -> None:
@@ -124,3 +128,107 @@ def test_cuda_and_cpu_figures_agree() -> None:
     with track_memory("cuda") as mem:
         seqckpt.checkpoint_sequential(model, 4, xc).sum().backward()
     assert abs(mem.peak_bytes - cpu) <= 0.05 * cpu
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet", "transformer"])
+def test_values_check_costs_at_most_ten_percent_more_memory(name: str) -> None:
+    # Fingerprints are reductions accumulated in float64 without a float64 copy
+    # of the saved tensor; "values" runs each recompute to its end (one more
+    # activation at most) and keeps the first-run values of floating buffers.
+    spec = MODELS[name]
+    model, x = spec.build(), spec.sample("cpu", None)
+    peaks = {}
+    for check in ("default", "values"):
+        peaks[check] = measure_peak(
+            copy.deepcopy(model),
+            x,
+            lambda m, t: checkpoint_sequential(
+                m, spec.segments, t, determinism_check=check
+            ),
+            "cpu",
+        )
+    assert peaks["values"] <= 1.10 * peaks["default"], peaks
+
+
+class FakeCudaAllocator:
+    """The caching allocator's counters, for testing the CUDA meter's logic on
+    a machine without a GPU."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = self.reserved = self.peak_reserved = 0
+
+    def alloc(self, nbytes: int) -> None:
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated)  # cached blocks stay
+        self.peak = max(self.peak, self.allocated)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_reserved = self.allocated, self.reserved
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        for name, value in {
+            "synchronize": lambda device=None: None,
+            "memory_allocated": lambda device=None: self.allocated,
+            "max_memory_allocated": lambda device=None: self.peak,
+            "memory_reserved": lambda device=None: self.reserved,
+            "max_memory_reserved": lambda device=None: self.peak_reserved,
+            "reset_peak_memory_stats": lambda device=None: self.reset_peak(),
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_cuda_meter_nested_blocks_and_reserved_peaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeCudaAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(1000)  # already allocated before: the baseline
+    with track_memory("cuda") as outer:
+        fake.alloc(400)
+        fake.free(400)  # the outer block's peak, before the inner one resets
+        with track_memory("cuda") as inner:
+            fake.alloc(100)
+            fake.free(100)
+        fake.alloc(50)
+    assert (inner.baseline_bytes, inner.peak_bytes) == (1000, 100)
+    assert (outer.baseline_bytes, outer.peak_bytes, outer.end_bytes) == (1000, 400, 50)
+    assert outer.peak_reserved_bytes == 400  # the allocator kept the 400 cached
+    assert inner.peak_reserved_bytes == 0  # served from what was cached
+    with track_memory("cuda") as again:  # no meter left open
+        fake.alloc(10)
+    assert again.peak_bytes == 10
+
+
+def test_cpu_peak_reserved_equals_peak() -> None:
+    with track_memory("cpu") as mem:
+        torch.empty(256)
+    assert mem.peak_reserved_bytes == mem.peak_bytes == 1024
+
+
+def test_stopwatch_times_each_call_on_the_cpu() -> None:
+    from seqckpt.memory import Stopwatch
+
+    watch = Stopwatch(torch.device("cpu"))
+    assert watch.run(lambda: 7) == 7
+    watch.run(lambda: torch.randn(256, 256) @ torch.randn(256, 256))
+    first, second = watch.seconds()
+    assert 0 <= first < second
+
+
+@pytest.mark.cuda
+def test_stopwatch_on_cuda_uses_events_and_one_synchronisation() -> None:
+    from seqckpt.memory import Stopwatch
+
+    watch = Stopwatch(torch.device("cuda"))
+    a = torch.randn(2048, 2048, device="cuda")
+    for _ in range(3):
+        watch.run(lambda: a @ a)
+    small = Stopwatch(torch.device("cuda"))
+    small.run(lambda: a[:1, :1] + 1)
+    big, (tiny,) = watch.seconds(), small.seconds()
+    assert len(big) == 3 and all(t > 0 for t in big)
+    assert tiny < min(big)  # no launch latency or sync charged to the small one

@@ -257,3 +257,20 @@ def test_planner_on_a_chain_with_an_in_place_item() -> None:
             m, "auto", t, memory_budget=budgets[-1]
         ),
     )
+
+
+def test_auto_budget_on_cuda_leaves_room_for_gradients_and_optimizer_state() -> None:
+    from seqckpt.planner.planning import available_bytes
+
+    layers = [nn.Linear(100, 100) for _ in range(3)]  # 40,400 bytes each
+    params = 3 * 40_400
+    free = 10_000_000
+    # First step: no gradients yet, no optimizer state yet.
+    assert available_bytes(layers, free, 0) == int(0.9 * free) - params - 2 * params
+    # Later steps: gradients set to None by zero_grad, optimizer state exists.
+    layers[0].weight.grad = torch.zeros_like(layers[0].weight)
+    assert available_bytes(layers, free, 0) == int(0.9 * free) - (params - 40_000)
+    frozen = nn.Linear(100, 100).requires_grad_(False)
+    assert available_bytes([frozen], free, 500) == int(0.9 * (free + 500))
+    with pytest.raises(PlanError, match="not enough for this chain's gradients"):
+        available_bytes(layers, 10_000, 0)

@@ -101,3 +101,32 @@ def test_import_prints_nothing() -> None:
 def test_validate_on_cuda() -> None:
     rows = seqckpt.validate("all", device="cuda")
     assert all(r["ok"] for r in rows), rows
+
+
+def test_validate_compares_buffers_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail on buffers alone: unprotected BatchNorm statistics are
+    updated twice while the gradients stay equal."""
+    from seqckpt._buffers import BufferGuard
+
+    monkeypatch.setattr(BufferGuard, "of", staticmethod(lambda *a, **k: None))
+    (row,) = seqckpt.validate("resnet", device="cpu")
+    assert not row["ok"] and "buffers differ" in row["reason"]
+    assert row["max_abs_grad_diff"] == 0.0
+
+
+def test_cli_deterministic_sets_cublas_before_cuda(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    script = (
+        "import os, torch, json\n"
+        "from seqckpt.__main__ import main\n"
+        "code = main(['validate', '--model', 'mlp', '--deterministic', '--json'])\n"
+        "print(json.dumps([code, os.environ.get('CUBLAS_WORKSPACE_CONFIG'),"
+        " torch.are_deterministic_algorithms_enabled()]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    *rows_text, last = done.stdout.strip().splitlines()
+    rows = json.loads("\n".join(rows_text))
+    assert json.loads(last) == [0, ":4096:8", True]
+    assert rows[0]["bitwise_equal"] and rows[0]["plain_vs_plain_max_abs_grad_diff"] == 0

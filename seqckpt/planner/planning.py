@@ -9,15 +9,16 @@ from typing import Any
 
 import torch
 
+from seqckpt._buffers import modules_of
 from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
-from seqckpt.planner.budget import parse_budget
+from seqckpt.planner.budget import format_bytes, parse_budget
 from seqckpt.planner.profile import ChainProfile
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
 from seqckpt.planner.tree import Plan, PlanError
 
-__all__ = ["auto_plan", "plan"]
+__all__ = ["auto_plan", "available_bytes", "plan"]
 
 
 def plan(
@@ -90,6 +91,9 @@ _AUTO_CACHE: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
 _AUTO_CACHE_SIZE = 64
 # Leave this share of the free CUDA memory unplanned (fragmentation, the loss).
 CUDA_FREE_SHARE = 0.9
+# Optimizer state per parameter byte kept free when planning for free memory
+# before the first step has allocated it (Adam's two moments).
+OPTIMIZER_STATE_PER_PARAMETER = 2
 
 
 def _signature(input: Any) -> tuple[Any, ...]:
@@ -99,14 +103,10 @@ def _signature(input: Any) -> tuple[Any, ...]:
     )
 
 
-def _free_bytes(input: Any) -> int:
+def _cuda_device(input: Any) -> torch.device:
     for t in tensors_in(input):
         if t.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(t.device)
-            cached = torch.cuda.memory_reserved(t.device) - torch.cuda.memory_allocated(
-                t.device
-            )
-            return int(CUDA_FREE_SHARE * (free + cached))
+            return t.device
     raise ValueError(
         "seqckpt: segments='auto' without memory_budget plans for the free memory "
         "of the input's CUDA device, but the input is not on CUDA; give "
@@ -114,11 +114,105 @@ def _free_bytes(input: Any) -> int:
     )
 
 
+def available_bytes(chain: Sequence[Any], free: int, cached: int) -> int:
+    """The budget ``segments="auto"`` plans for on CUDA: 90% of the free and
+    cached memory, less what the step has yet to allocate: the gradients of
+    trainable parameters that have none yet and, while no gradient exists at
+    all (before the first step), an Adam-like optimizer state of two buffers
+    per parameter. Raises ``PlanError`` when nothing is left.
+
+    Example:
+        >>> from torch import nn
+        >>> layer = nn.Linear(1000, 1000)  # 4 MB of weight and bias
+        >>> available_bytes([layer], free=100_000_000, cached=0) < 90_000_000 - 12_000_000
+        True
+    """
+    params = {
+        id(p): p
+        for item in chain
+        for module in modules_of(item)
+        for p in module.parameters()
+        if p.requires_grad
+    }.values()
+    missing_grads = sum(p.nbytes for p in params if p.grad is None)
+    first_step = all(p.grad is None for p in params)
+    optimizer = OPTIMIZER_STATE_PER_PARAMETER * sum(p.nbytes for p in params)
+    room = int(CUDA_FREE_SHARE * (free + cached)) - missing_grads
+    if first_step:
+        room -= optimizer
+    if room <= 0:
+        raise PlanError(
+            f"seqckpt: segments='auto' found {format_bytes(free + cached)} free on "
+            "the device, not enough for this chain's gradients and optimizer "
+            f"state ({format_bytes(missing_grads + first_step * optimizer)}); "
+            "free memory, or give memory_budget= explicitly."
+        )
+    return room
+
+
+def _device_budget(chain: Sequence[Any], input: Any) -> int:
+    device = _cuda_device(input)
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return available_bytes(chain, free, cached)
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _smallest_on_any_rank(budget: int, input: Any) -> int:
+    """Under torch.distributed, the smallest budget of all ranks."""
+    import torch.distributed as dist
+
+    value = torch.tensor([budget], dtype=torch.int64, device=_collective_device(input))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return int(value.item())
+
+
+def broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's ``text`` on every rank (as bytes in a tensor: torch's object
+    collectives need NumPy, which seqckpt does not depend on)."""
+    import torch.distributed as dist
+
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=0)
+    return bytes(data.cpu().tolist()).decode()
+
+
+def _collective_device(input: Any) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return next(t.device for t in tensors_in(input) if t.device.type == "cuda")
+    return torch.device("cpu")
+
+
+def _rank_zero_plan(result: Plan | PlanError, input: Any) -> Plan:
+    """Under torch.distributed, every rank takes rank 0's plan (profiles differ
+    by timing noise, so each rank's own solve could pick another one)."""
+    own = result.to_json() if isinstance(result, Plan) else str(result)
+    text = broadcast_text(own, _collective_device(input))
+    if not text.startswith("{"):
+        raise PlanError(text)
+    return Plan.from_json(text)
+
+
 def auto_plan(
     chain: Sequence[Any], input: Any, memory_budget: int | str | None
 ) -> Plan:
     """The plan for ``segments="auto"``: planned on the first call for this chain,
-    input shape and budget, then reused (at most 64 plans are remembered)."""
+    input shape and budget, then reused (at most 64 plans are remembered).
+
+    Under ``torch.distributed`` every rank profiles and plans at the same call
+    (as DDP runs the same steps on every rank) with the smallest budget of all
+    ranks, and every rank uses rank 0's plan."""
     key = (tuple(id(m) for m in chain), _signature(input), memory_budget)
     cached = _AUTO_CACHE.get(key)
     if cached is not None:
@@ -130,8 +224,20 @@ def auto_plan(
             "run one eager training step first, or pass seqckpt.plan(...) as "
             "segments."
         )
-    budget = _free_bytes(input) if memory_budget is None else memory_budget
-    result = plan(chain, input, budget)
+    budget = (
+        _device_budget(chain, input)
+        if memory_budget is None
+        else parse_budget(memory_budget)
+    )
+    if _distributed():
+        budget = _smallest_on_any_rank(budget, input)
+        try:
+            result: Plan | PlanError = plan(chain, input, budget)
+        except PlanError as error:
+            result = error
+        result = _rank_zero_plan(result, input)
+    else:
+        result = plan(chain, input, budget)
     _AUTO_CACHE[key] = result
     if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
         _AUTO_CACHE.popitem(last=False)

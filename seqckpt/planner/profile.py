@@ -25,7 +25,7 @@ from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
-from seqckpt.memory import timed, track_memory
+from seqckpt.memory import Stopwatch, track_memory
 
 __all__ = ["ChainProfile", "LayerProfile", "profile"]
 
@@ -242,8 +242,10 @@ def _storages(obj: Any) -> set[int]:
 def _profile_item(
     item: Callable[..., Any], x: Any, device: torch.device, repeats: int
 ) -> tuple[LayerProfile, Any]:
-    with torch.no_grad():  # finds the modules the item calls, outside measurements
-        item(_fresh(x))
+    # Warm up outside the measurements: the sandbox meets the modules the item
+    # calls, and first cuBLAS / cuDNN calls allocate their workspaces.
+    backward_with_loss_grad(item(_fresh(x)))
+    _clear_input_grads(x)
     inputs = _fresh(x)
     with torch.no_grad(), track_memory(device) as nograd:
         item(inputs)
@@ -268,12 +270,12 @@ def _profile_item(
         backward_peak = max(0, mem.peak_so_far() - held)
     _clear_input_grads(x)
 
-    forward_times, backward_times = [], []
+    forwards, backwards = Stopwatch(device), Stopwatch(device)
     for _ in range(repeats + 1):  # the first round warms up and is dropped
-        out, seconds = timed(partial(item, _fresh(x)), device)
-        forward_times.append(seconds)
-        backward_times.append(timed(partial(backward_with_loss_grad, out), device)[1])
+        out = forwards.run(partial(item, _fresh(x)))
+        backwards.run(partial(backward_with_loss_grad, out))
         _clear_input_grads(x)
+    forward_times, backward_times = forwards.seconds(), backwards.seconds()
     next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
     del out
     name = (
@@ -300,9 +302,11 @@ def _profile_item(
 
 def profile(modules: Any, sample_input: Any, *, repeats: int = 5) -> ChainProfile:
     """Measure each item of a chain: forward and backward time (medians of
-    ``repeats`` runs after one warm-up, synchronised on CUDA), input and output
-    bytes, the bytes autograd keeps, and the transient peaks of forward and
-    backward.
+    ``repeats`` runs after one warm-up; on CUDA timed with events, so small
+    items are not charged launch latency), input and output bytes, the bytes
+    autograd keeps, and the transient peaks of forward and backward (measured
+    after a warm-up forward and backward of the item, so workspaces that the
+    first cuBLAS or cuDNN call allocates are not charged to it).
 
     Each item runs on a detached copy of the previous item's output, so items are
     measured one at a time. The chain is sandboxed: its parameters, buffers (e.g.
