@@ -17,10 +17,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch  # noqa: F401
 
+from seqckpt import policies
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import CheckpointError, checkpoint
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
+from seqckpt.policies import name
 from seqckpt.sequential import (
     CheckpointedSequential,
     checkpoint_blocks,
@@ -39,7 +41,9 @@ __all__ = [
     "checkpoint_sequential",
     "is_checkpointing",
     "is_recomputing",
+    "name",
     "plan",
+    "policies",
     "profile",
     "track_memory",
     "validate",

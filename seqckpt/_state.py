@@ -164,7 +164,7 @@ class RngState:
 
     def current(self) -> RngState:
         """The caller's state now, on the same devices as this one."""
-        return RngState.capture(tuple(d for d, _ in self.devices))
+        return RngState.capture(tuple([d for d, _ in self.devices]))
 
 
 # ----------------------------------------------------------------------- streams

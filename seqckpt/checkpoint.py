@@ -40,8 +40,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqckpt import _state
+from seqckpt import policies as _policies
 from seqckpt._buffers import BufferGuard, modules_of, watching_modules
 from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy
 
 __all__ = ["CheckpointError", "checkpoint"]
 
@@ -68,6 +70,7 @@ class Options:
     context_fn: ContextFn | None = None
     debug: bool = False
     early_stop: bool = True
+    policy: Policy | None = None
 
 
 DEFAULT_OPTIONS = Options()
@@ -82,6 +85,7 @@ def checkpoint(
     debug: bool = False,
     early_stop: bool = True,
     preserve_rng_state: bool = True,
+    policy: Any = None,
     **kwargs: Any,
 ) -> T:
     """Call ``function(*args, **kwargs)`` without keeping its activations.
@@ -126,6 +130,14 @@ def checkpoint(
         preserve_rng_state: replay the CPU and accelerator RNG of the first run in
             the recompute, so dropout draws the same mask. The caller's RNG after
             backward is what the plain run leaves.
+        policy: what the region keeps besides its inputs (selective saving,
+            see :mod:`seqckpt.policies`): None (nothing), ``"compute_heavy"``
+            (matmuls, convolutions, attention), a collection of aten ops,
+            ``seqckpt.policies.names(...)`` for tensors marked with
+            :func:`seqckpt.name`, or a callable ``(op, *args, **kwargs) ->
+            bool``. Kept outputs are served to the recompute instead of being
+            computed again; under ``torch.compile`` the policy becomes torch's
+            selective checkpointing (names keep nothing there).
         **kwargs: keyword arguments for ``function``.
 
     Returns:
@@ -156,6 +168,7 @@ def checkpoint(
     """
     if (
         context_fn is None
+        and policy is None
         and determinism_check == "default"
         and debug is False
         and early_stop is True
@@ -171,6 +184,7 @@ def checkpoint(
             debug=debug,
             early_stop=early_stop,
             use_reentrant=use_reentrant,
+            policy=policy,
         )
     _check_function(function)
     return run_region(function, args, kwargs, options)
@@ -184,6 +198,7 @@ def make_options(
     debug: object = False,
     early_stop: object = True,
     use_reentrant: object = None,
+    policy: object = None,
 ) -> Options:
     """Check the options of a checkpoint call; the default options are shared."""
     for name, value in (
@@ -210,12 +225,19 @@ def make_options(
             "seqckpt: argument 'context_fn' must be a callable returning two "
             f"context managers (forward, recompute), got {context_fn!r}."
         )
+    resolved = as_policy(policy)
+    if resolved is not None and context_fn is not None:
+        raise ValueError(
+            "seqckpt: give either 'policy' or 'context_fn', not both: a policy is "
+            "seqckpt's own selective saving, context_fn torch's."
+        )
     options = Options(
         preserve_rng_state,  # type: ignore[arg-type]
         determinism_check,  # type: ignore[arg-type]
         context_fn,  # type: ignore[arg-type]
         debug,  # type: ignore[arg-type]
         early_stop,  # type: ignore[arg-type]
+        resolved,
     )
     return DEFAULT_OPTIONS if options == DEFAULT_OPTIONS else options
 
@@ -260,6 +282,8 @@ def _compiled_checkpoint(
     extra: dict[str, Any] = {}
     if options.context_fn is not None:
         extra["context_fn"] = options.context_fn
+    elif options.policy is not None:
+        extra["context_fn"] = options.policy.torch_context_fn
     result: T = torch_checkpoint.checkpoint(
         function,
         *args,
@@ -422,6 +446,7 @@ class _Region:
         "in_forward",
         "input_ids",
         "streams",
+        "kept",
         "recompute_context",
         "forward_ops",
     )
@@ -442,6 +467,7 @@ class _Region:
         self.in_forward = False
         self.recompute_context: AbstractContextManager[Any] | None = None
         self.forward_ops: list[str] | None = None
+        self.kept: Kept | None = None
         inputs = tensors_in(args) if args else []
         if kwargs:
             tensors_in(kwargs, inputs)
@@ -477,19 +503,26 @@ class _Region:
         options = self.options
         extra: ExitStack | None = None
         guard = self.guard
+        policy = options.policy
         if (
             options.context_fn is not None
             or options.debug
+            or policy is not None
             or (guard and guard.conservative)
         ):
             extra = ExitStack()
-            if (
-                guard is not None and guard.conservative
-            ):  # every module, however reached
+            if guard is not None and guard.conservative:
+                # every module the region calls, however it reaches it
                 extra.enter_context(watching_modules(guard.watch))
             if options.context_fn is not None:
                 forward_context, self.recompute_context = options.context_fn()
                 extra.enter_context(forward_context)
+            if policy is not None:
+                self.kept = Kept()
+                keeping = extra.enter_context(Keeping(policy, self.kept))
+                if policy.names:
+                    _policies._NAMING.append((keeping, policy.names))
+                    extra.callback(_policies._NAMING.pop)
             if options.debug:
                 log = extra.enter_context(_OpLog())
         phase = _state.begin(_state.CHECKPOINTING)
@@ -622,22 +655,24 @@ class _Region:
             return detached
 
         extra: ExitStack | None = None
-        if self.recompute_context is not None or options.debug:
+        kept = self.kept
+        if self.recompute_context is not None or options.debug or kept is not None:
             extra = ExitStack()
             if self.recompute_context is not None:
                 extra.enter_context(self.recompute_context)
+            if kept is not None:
+                extra.enter_context(Serving(kept))
             if options.debug:
                 log = extra.enter_context(_OpLog())
         caller_rng = self.rng.current() if self.rng is not None else None
         undo = ambient = None
-        grad_mode = torch.is_grad_enabled()
         phase = _state.begin(_state.RECOMPUTING)
         try:
             undo = self.guard.replay() if self.guard is not None else None
             if self.rng is not None:
                 self.rng.restore()
             ambient = self.ambient.replay()
-            torch.set_grad_enabled(True)
+            _set_grad_enabled(True)
             torch._C._autograd._push_saved_tensors_default_hooks(pack, _identity)
             try:
                 if extra is None:
@@ -653,14 +688,17 @@ class _Region:
             finally:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
         finally:
-            torch.set_grad_enabled(grad_mode)
-            _state.Ambient.undo(ambient)
+            _set_grad_enabled(create_graph)
+            if ambient is not None:
+                _state.Ambient.undo(ambient)
             _state.end(_state.RECOMPUTING, phase)
             if caller_rng is not None:
                 caller_rng.restore()
             if undo is not None:
                 assert self.guard is not None
                 self.guard.restore(undo)
+        if kept is not None and not self.in_forward:
+            self.kept = None  # served: the recomputed saved tensors hold what is needed
         self._verify(collected, prints, log.ops if options.debug else None)
         return collected
 
@@ -718,6 +756,9 @@ class _Region:
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 _Parameter, _Tensor = nn.Parameter, torch.Tensor

@@ -6,6 +6,7 @@ recompute primitive, and :func:`resolve_plan` turns every accepted form of
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,21 +14,33 @@ from typing import Any
 from seqckpt._buffers import modules_of
 from seqckpt.checkpoint import DEFAULT_OPTIONS, Options, run_region
 from seqckpt.planner.tree import Plan, PlanError, Run, plan_from_sizes, uniform_plan
+from seqckpt.policies import Policy
 
 __all__ = ["resolve_plan", "run_plan"]
 
 
-def resolve_plan(segments: object, chain: Sequence[Callable[[Any], Any]]) -> Plan:
-    """Turn any accepted form of ``segments`` into a plan for ``chain``.
+def resolve_plan(
+    segments: object,
+    chain: Sequence[Callable[[Any], Any]],
+    policy: Policy | None = None,
+) -> Plan:
+    """Turn any accepted form of ``segments`` into a plan for ``chain``; the
+    checkpointed segments of a count or of sizes keep what ``policy`` selects.
 
     An int ``k`` gives balanced segments whose checkpointed stretches never
     start at an item that writes into its input (``inplace=True``, as
     ``nn.ReLU(inplace=True)``): such a boundary moves to the next item, since a
     recompute would start from the overwritten values. Sizes and plans are
-    taken as given.
+    taken as given; a plan carries its own policies.
     """
     n = len(chain)
     if isinstance(segments, Plan):
+        if policy is not None:
+            raise ValueError(
+                f"seqckpt: policy={policy} was given with segments=plan; a plan "
+                "carries a policy per recomputed stretch: build it with them, or "
+                "give segments as a count or sizes."
+            )
         try:
             segments.check(n)
         except PlanError as error:
@@ -41,7 +54,7 @@ def resolve_plan(segments: object, chain: Sequence[Callable[[Any], Any]]) -> Pla
                 f"seqckpt: segments must be between 1 and the number of modules "
                 f"({n}), got segments={segments}."
             )
-        return uniform_plan(n, segments, lambda i: _writes_its_input(chain[i]))
+        return uniform_plan(n, segments, lambda i: _writes_its_input(chain[i]), policy)
     if isinstance(segments, (list, tuple)):
         if not segments or not all(
             isinstance(s, int) and not isinstance(s, bool) for s in segments
@@ -56,7 +69,7 @@ def resolve_plan(segments: object, chain: Sequence[Callable[[Any], Any]]) -> Pla
                 f"modules ({n}), got segments={list(segments)} "
                 f"(sum {sum(segments)})."
             )
-        return plan_from_sizes(list(segments))
+        return plan_from_sizes(list(segments), policy)
     raise TypeError(
         "seqckpt: segments must be an int, a list of segment sizes, a Plan or "
         f"'auto', got {segments!r} ({type(segments).__name__})."
@@ -77,7 +90,8 @@ def run_plan(
 
     A :class:`~seqckpt.planner.Run` item calls its modules in turn; a
     :class:`~seqckpt.planner.Recompute` item calls this function on its inner plan
-    as one checkpointed region, so nested plans nest checkpoints.
+    as one checkpointed region that keeps what the item's policy selects, so
+    nested plans nest checkpoints.
     """
     x = input
     for item in plan.items:
@@ -85,7 +99,10 @@ def run_plan(
             for i in range(item.start, item.stop):
                 x = modules[i](x)
         else:
+            inner_options = options
+            if item.policy is not options.policy:
+                inner_options = dataclasses.replace(options, policy=item.policy)
             region = functools.partial(run_plan, item.inner, modules, options=options)
             runs = modules_of(tuple(modules[item.start : item.stop]))
-            x = run_region(region, (x,), {}, options, runs)
+            x = run_region(region, (x,), {}, inner_options, runs)
     return x

@@ -23,6 +23,7 @@ from seqckpt.executor import resolve_plan, run_plan
 from seqckpt.planner.budget import parse_budget
 from seqckpt.planner.planning import auto_plan
 from seqckpt.planner.tree import Plan, default_segments
+from seqckpt.policies import Policy, as_policy
 
 __all__ = ["CheckpointedSequential", "checkpoint_blocks", "checkpoint_sequential"]
 
@@ -34,13 +35,20 @@ def plan_for(
     chain: Sequence[Callable[[Any], Any]],
     input: Any,
     memory_budget: int | str | None,
+    policy: Policy | None = None,
 ) -> Plan:
     """The plan for ``segments`` in any accepted form; ``"auto"`` asks the planner
     (see :func:`seqckpt.planner.planning.auto_plan`)."""
     if segments == "auto":
+        if policy is not None:
+            raise ValueError(
+                f"seqckpt: policy={policy} was given with segments='auto', where the "
+                "planner chooses each stretch's policy; plan with "
+                "seqckpt.plan(..., policies=...) to choose the candidates."
+            )
         return auto_plan(chain, input, memory_budget)
     _check_budget_use(segments, memory_budget)
-    return resolve_plan(segments, chain)
+    return resolve_plan(segments, chain, policy)
 
 
 def _check_budget_use(segments: object, memory_budget: object) -> None:
@@ -64,6 +72,7 @@ def checkpoint_sequential(
     debug: bool = False,
     early_stop: bool = True,
     memory_budget: int | str | None = None,
+    policy: Any = None,
 ) -> Any:
     """Run a chain of modules with all but its last segment checkpointed.
 
@@ -92,6 +101,9 @@ def checkpoint_sequential(
         early_stop: see :func:`seqckpt.checkpoint`.
         memory_budget: with ``segments="auto"``: bytes, or a string such as
             ``"512MiB"`` (see :func:`seqckpt.plan`).
+        policy: what each checkpointed segment keeps (see
+            :func:`seqckpt.checkpoint`), with ``segments`` a count or sizes; a
+            plan carries its own per segment.
 
     Returns:
         The output of the last module. Outputs, gradients and buffers are bitwise
@@ -119,13 +131,14 @@ def checkpoint_sequential(
         early_stop=early_stop,
         use_reentrant=use_reentrant,
     )
+    chosen = as_policy(policy)
     if not torch.is_grad_enabled():
         if segments != "auto":
-            resolve_plan(segments, chain)
+            resolve_plan(segments, chain, chosen)
         for module in chain:
             input = module(input)
         return input
-    plan = plan_for(segments, chain, input, memory_budget)
+    plan = plan_for(segments, chain, input, memory_budget, chosen)
     return run_plan(plan, chain, input, options)
 
 
@@ -165,6 +178,7 @@ class CheckpointedSequential(nn.Sequential):
         debug: bool = False,
         early_stop: bool = True,
         memory_budget: int | str | None = None,
+        policy: Any = None,
     ) -> None:
         super().__init__(*args)
         self.options = make_options(
@@ -178,8 +192,11 @@ class CheckpointedSequential(nn.Sequential):
         if memory_budget is not None:
             parse_budget(memory_budget)
         _check_budget_use(segments, memory_budget)
+        self.policy = as_policy(policy)
         if segments is not None and segments != "auto" and len(self) > 0:
-            resolve_plan(segments, list(self))  # fail early on a bad value
+            resolve_plan(segments, list(self), self.policy)  # fail early
+        if segments == "auto" and self.policy is not None:
+            plan_for("auto", [], None, None, self.policy)  # raises: planner's choice
         self.segments = segments
         self.memory_budget = memory_budget
         self._warned_single = False
@@ -226,13 +243,15 @@ class CheckpointedSequential(nn.Sequential):
                     "recompute it whole.",
                     stacklevel=2,
                 )
-        plan = plan_for(segments, chain, input, self.memory_budget)
+        plan = plan_for(segments, chain, input, self.memory_budget, self.policy)
         return run_plan(plan, chain, input, self.options)
 
     def extra_repr(self) -> str:
         parts = [] if self.segments is None else [f"segments={self.segments!r}"]
         if self.memory_budget is not None:
             parts.append(f"memory_budget={self.memory_budget!r}")
+        if self.policy is not None:
+            parts.append(f"policy={self.policy}")
         return ", ".join(parts)
 
 

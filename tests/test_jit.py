@@ -84,6 +84,44 @@ def test_compiled_checkpoint_sequential_recomputes() -> None:
 
 
 @pytest.mark.slow
+def test_compiled_policy_keeps_what_eager_keeps() -> None:
+    """Under torch.compile a policy becomes torch's selective checkpointing: the
+    compiled backward recomputes the tanh layers but not the matmuls the policy
+    keeps, and gradients equal eager's."""
+    model = tanh_chain()
+    x = torch.randn(4, 16, requires_grad=True)
+    backward_ops = {}
+    for policy in (None, "compute_heavy"):
+        graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda t, p=policy: checkpoint_sequential(model, 3, t, policy=p),
+            fullgraph=True,
+            backend=recording_backend(graphs),
+        )
+        model.zero_grad()
+        x.grad = None
+        compiled(x).sum().backward()
+        compiled_grads = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+        model.zero_grad()
+        x.grad = None
+        checkpoint_sequential(model, 3, x, policy=policy).sum().backward()
+        eager = [x.grad, *(p.grad for p in model.parameters())]
+        assert all(
+            torch.allclose(a, b, atol=1e-5)
+            for a, b in zip(compiled_grads, eager, strict=True)
+        )
+        (backward,) = graphs["backward"]
+        backward_ops[policy] = (
+            count(backward, torch.ops.aten.addmm.default),
+            count(backward, torch.ops.aten.tanh.default),
+        )
+    (addmm_none, tanh_none), (addmm_kept, tanh_kept) = backward_ops.values()
+    assert addmm_none >= 2 and addmm_kept == 0  # kept, not recomputed
+    assert tanh_kept >= 2  # still recomputed
+
+
+@pytest.mark.slow
 def test_compiled_checkpointed_sequential_module_inductor() -> None:
     model = tanh_chain()
     ckpt = CheckpointedSequential.from_sequential(model, segments=2)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from seqckpt.policies import Policy
+
 
 class PlanError(ValueError):
     """A plan that cannot be built or does not fit the chain it is used with."""
@@ -29,12 +31,14 @@ class Run:
 @dataclass(frozen=True)
 class Recompute:
     """Layers ``start`` to ``stop - 1`` run as one checkpoint: forward keeps only
-    their input; backward runs them again following ``inner``, which may keep some
-    layers and checkpoint others (nested recomputation)."""
+    their input (and, with a ``policy``, the results it selects, see
+    :mod:`seqckpt.policies`); backward runs them again following ``inner``, which
+    may keep some layers and checkpoint others (nested recomputation)."""
 
     start: int
     stop: int
     inner: Plan
+    policy: Policy | None = None
 
 
 Item = Run | Recompute
@@ -122,7 +126,8 @@ class Plan:
             if isinstance(item, Run):
                 lines.append(f"{pad}keep {span}")
             else:
-                lines.append(f"{pad}recompute {span}")
+                policy = "" if item.policy is None else f" keeping {item.policy}"
+                lines.append(f"{pad}recompute {span}{policy}")
                 lines.extend(item.inner._lines(depth + 1))
         return lines
 
@@ -183,12 +188,13 @@ def _items_to_json(items: tuple[Item, ...]) -> list[Any]:
         if isinstance(item, Run):
             out.append({"keep": [item.start, item.stop]})
         else:
-            out.append(
-                {
-                    "recompute": [item.start, item.stop],
-                    "inner": _items_to_json(item.inner.items),
-                }
-            )
+            entry: dict[str, Any] = {
+                "recompute": [item.start, item.stop],
+                "inner": _items_to_json(item.inner.items),
+            }
+            if item.policy is not None:
+                entry["policy"] = item.policy.to_json()
+            out.append(entry)
     return out
 
 
@@ -213,7 +219,15 @@ def _items_from_json(data: Any) -> tuple[Item, ...]:
             items.append(Run(*_span(entry["keep"])))
         elif "recompute" in entry:
             start, stop = _span(entry["recompute"])
-            items.append(Recompute(start, stop, Plan(_items_from_json(entry["inner"]))))
+            policy = entry.get("policy")
+            items.append(
+                Recompute(
+                    start,
+                    stop,
+                    Plan(_items_from_json(entry["inner"])),
+                    None if policy is None else Policy.from_json(policy),
+                )
+            )
         else:
             raise PlanError(f"seqckpt: plan JSON item has no keep/recompute: {entry!r}")
     return tuple(items)
@@ -222,8 +236,11 @@ def _items_from_json(data: Any) -> tuple[Item, ...]:
 # ------------------------------------------------------------------ builders
 
 
-def plan_from_sizes(sizes: list[int] | tuple[int, ...]) -> Plan:
-    """All segments but the last checkpointed, of the given sizes.
+def plan_from_sizes(
+    sizes: list[int] | tuple[int, ...], policy: Policy | None = None
+) -> Plan:
+    """All segments but the last checkpointed, of the given sizes, each keeping
+    what ``policy`` selects.
 
     Example:
         >>> print(plan_from_sizes([2, 1]))
@@ -233,10 +250,10 @@ def plan_from_sizes(sizes: list[int] | tuple[int, ...]) -> Plan:
           keep 2-2
     """
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return _plan_from_starts(starts, sum(sizes))
+    return _plan_from_starts(starts, sum(sizes), policy)
 
 
-def _plan_from_starts(starts: list[int], n: int) -> Plan:
+def _plan_from_starts(starts: list[int], n: int, policy: Policy | None) -> Plan:
     """Segments beginning at ``starts`` (increasing), all but the last
     checkpointed; layers before the first start run plainly."""
     items: list[Item] = [Run(0, starts[0])] if starts[0] > 0 else []
@@ -244,7 +261,7 @@ def _plan_from_starts(starts: list[int], n: int) -> Plan:
         if stop == n:
             items.append(Run(start, stop))
         else:
-            items.append(Recompute(start, stop, Plan((Run(start, stop),))))
+            items.append(Recompute(start, stop, Plan((Run(start, stop),)), policy))
     if len(items) > 1 and isinstance(items[0], Run) and isinstance(items[1], Run):
         items[:2] = [Run(0, items[1].stop)]  # one segment, shifted: all plain
     return Plan(tuple(items))
@@ -267,8 +284,14 @@ def balanced_sizes(n: int, k: int) -> list[int]:
     return [base] * (k - extra) + [base + 1] * extra
 
 
-def uniform_plan(n: int, k: int, blocked: Callable[[int], bool] | None = None) -> Plan:
-    """``n`` layers in ``k`` balanced segments, all but the last checkpointed.
+def uniform_plan(
+    n: int,
+    k: int,
+    blocked: Callable[[int], bool] | None = None,
+    policy: Policy | None = None,
+) -> Plan:
+    """``n`` layers in ``k`` balanced segments, all but the last checkpointed,
+    each keeping what ``policy`` selects.
 
     ``blocked(i)`` true means no checkpointed segment may start at layer ``i``
     (it writes into its input): such a start moves to the next layer, which
@@ -291,7 +314,7 @@ def uniform_plan(n: int, k: int, blocked: Callable[[int], bool] | None = None) -
             if start < n and (not moved or start > moved[-1]):
                 moved.append(start)
         starts = moved or [0]
-    return _plan_from_starts(starts, n)
+    return _plan_from_starts(starts, n, policy)
 
 
 def default_segments(n: int) -> int:

@@ -1,0 +1,327 @@
+"""Selective saving: what a checkpointed region keeps instead of recomputing.
+
+A region with a policy keeps, during its forward, the outputs of the ops the
+policy selects (matmuls, convolutions, attention: the expensive ones) and
+recomputes everything else in backward; the recompute serves the kept outputs
+instead of running those ops again. A policy is plain data, so plans carry it
+and save it to JSON:
+
+- ``None``: keep nothing (the region keeps only its inputs);
+- ``"compute_heavy"`` (:data:`COMPUTE_HEAVY`): the matmul family, convolutions
+  and fused scaled-dot-product attention;
+- a collection of aten ops (``torch.ops.aten.mm`` or overloads such as
+  ``torch.ops.aten.mm.default``), or :func:`ops`;
+- :func:`names`: the tensors marked in user code with :func:`seqckpt.name`, so
+  a model author says what to keep without knowing aten (as JAX's
+  ``save_only_these_names`` with ``checkpoint_name``);
+- a callable ``policy(op, *args, **kwargs) -> bool`` (True: keep this op's
+  output); works in eager mode and under ``torch.compile``, but a plan holding
+  one cannot be written to JSON.
+
+Example:
+    >>> import torch, seqckpt
+    >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(),
+    ...                             torch.nn.Linear(8, 8))
+    >>> x = torch.randn(4, 8, requires_grad=True)
+    >>> y = seqckpt.checkpoint(block, x, policy="compute_heavy")
+    >>> y.sum().backward()   # both matmuls are served, only GELU is recomputed
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+
+__all__ = ["COMPUTE_HEAVY", "Policy", "as_policy", "name", "names", "ops"]
+
+_HEAVY_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_int_mm",
+    "aten::_scaled_mm",
+    "aten::convolution",
+    "aten::_convolution",
+    "aten::cudnn_convolution",
+    "aten::mkldnn_convolution",
+    "aten::convolution_overrideable",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_flash_attention_forward",
+    "aten::_efficient_attention_forward",
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Which results a checkpointed region keeps in forward.
+
+    Attributes:
+        ops: aten op names (``"aten::mm"`` for every overload, or
+            ``"aten::mm.default"`` for one) whose outputs are kept.
+        names: names given with :func:`seqckpt.name` whose tensors are kept.
+        label: a short name used when the policy is printed (``"compute_heavy"``).
+        keep: a user callable ``(op, *args, **kwargs) -> bool``, or None.
+    """
+
+    ops: frozenset[str] = frozenset()
+    names: frozenset[str] = frozenset()
+    label: str | None = None
+    keep: Callable[..., bool] | None = field(default=None, compare=False)
+    torch_context_fn: Callable[[], Any] = field(
+        init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        # torch's selective checkpointing for torch.compile, made here, before
+        # any tracing: dynamo takes a context_fn only as a constant.
+        object.__setattr__(self, "torch_context_fn", _torch_selective(self))
+
+    def keeps(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the output of aten op ``func`` called with these arguments
+        is kept (names are handled separately, see :func:`seqckpt.name`)."""
+        if self.ops:
+            schema = func._schema
+            if schema.name in self.ops:
+                return True
+            if f"{schema.name}.{schema.overload_name or 'default'}" in self.ops:
+                return True
+        return self.keep is not None and bool(self.keep(func, *args, **kwargs))
+
+    def __str__(self) -> str:
+        if self.label is not None:
+            return self.label
+        parts = sorted(self.ops) + [f"name:{n}" for n in sorted(self.names)]
+        if self.keep is not None:
+            parts.append(getattr(self.keep, "__name__", "callable"))
+        return "keep(" + ", ".join(parts) + ")"
+
+    def to_json(self) -> Any:
+        if self.keep is not None:
+            raise ValueError(
+                f"seqckpt: policy {self} holds a Python callable, which JSON "
+                "cannot hold; use ops or names to save the plan."
+            )
+        if self.label is not None and self == POLICIES.get(self.label):
+            return self.label
+        return {"ops": sorted(self.ops), "names": sorted(self.names)}
+
+    @staticmethod
+    def from_json(data: Any) -> Policy:
+        if isinstance(data, str) and data in POLICIES:
+            return POLICIES[data]
+        if isinstance(data, dict) and set(data) <= {"ops", "names"}:
+            return Policy(
+                frozenset(str(o) for o in data.get("ops", ())),
+                frozenset(str(n) for n in data.get("names", ())),
+            )
+        raise ValueError(f"seqckpt: not a policy: {data!r}")
+
+
+def _torch_selective(policy: Policy) -> Callable[[], Any]:
+    """The policy as torch's selective checkpointing: the ops it keeps must be
+    saved, everything else is recomputed."""
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,
+        create_selective_checkpoint_contexts,
+    )
+
+    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        if policy.keeps(func, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, decide)
+
+
+COMPUTE_HEAVY = Policy(frozenset(_HEAVY_OPS), label="compute_heavy")
+POLICIES = {"compute_heavy": COMPUTE_HEAVY}
+
+
+def _op_name(op: Any) -> str:
+    """``torch.ops.aten.mm`` -> ``"aten::mm"``, ``torch.ops.aten.mm.default`` ->
+    ``"aten::mm.default"``; strings pass through."""
+    if isinstance(op, str):
+        return op if "::" in op else op.replace(".", "::", 1)
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op._schema.name}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return str(op._qualified_op_name)
+    raise TypeError(
+        f"seqckpt: a policy's ops must be aten ops such as torch.ops.aten.mm or "
+        f"torch.ops.aten.mm.default, got {op!r} ({type(op).__name__})."
+    )
+
+
+def ops(*selected: Any) -> Policy:
+    """A policy keeping the outputs of the given aten ops.
+
+    Example:
+        >>> import torch
+        >>> str(ops(torch.ops.aten.mm, torch.ops.aten.bmm.default))
+        'keep(aten::bmm.default, aten::mm)'
+    """
+    return Policy(frozenset(_op_name(op) for op in selected))
+
+
+def names(*selected: str) -> Policy:
+    """A policy keeping the tensors marked with :func:`seqckpt.name` under one
+    of these names.
+
+    Example:
+        >>> str(names("attn_out"))
+        'keep(name:attn_out)'
+    """
+    for n in selected:
+        if not isinstance(n, str) or not n:
+            raise TypeError(f"seqckpt: names() takes non-empty strings, got {n!r}.")
+    return Policy(names=frozenset(selected))
+
+
+def as_policy(policy: object) -> Policy | None:
+    """Any accepted form of ``policy=`` as a :class:`Policy` (or None)."""
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        if policy in POLICIES:
+            return POLICIES[policy]
+        raise ValueError(
+            f"seqckpt: argument 'policy' must be None, {', '.join(map(repr, POLICIES))}, "
+            f"a collection of aten ops, seqckpt.policies.names(...) or a callable, "
+            f"got {policy!r}."
+        )
+    if isinstance(policy, Iterable):
+        return ops(*policy)
+    if callable(policy):
+        label = getattr(policy, "__name__", None)
+        return Policy(keep=policy, label=label)
+    raise TypeError(
+        f"seqckpt: argument 'policy' must be None, 'compute_heavy', a collection "
+        f"of aten ops, seqckpt.policies.names(...) or a callable, got {policy!r}."
+    )
+
+
+# ---------------------------------------------------------------- the machinery
+
+
+def _detached(out: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
+
+
+def _versions(out: Any) -> list[int]:
+    return [t._version for t in _tensors(out)]
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, out)
+    return found
+
+
+class Kept:
+    """What one region's forward kept: op outputs by (op, call number), with
+    their versions so an output changed in place is never served."""
+
+    __slots__ = ("entries", "producers")
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[Any, int], tuple[Any, list[int]]] = {}
+        # For names: which (op, call number) produced a tensor of the forward.
+        self.producers: weakref.WeakValueDictionary[int, Any] | None = None
+
+
+class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Active during a region's forward: keeps the outputs the policy selects."""
+
+    def __init__(self, policy: Policy, kept: Kept) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.policy, self.kept = policy, kept
+        self.calls: dict[Any, int] = {}
+        self.by_tensor: dict[int, tuple[Any, int, weakref.ref[torch.Tensor]]] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        call = self.calls.get(func, 0)
+        self.calls[func] = call + 1
+        key = (func, call)
+        if self.policy.keeps(func, args, kwargs):
+            detached = _detached(out)
+            self.kept.entries[key] = (detached, _versions(detached))
+        elif self.policy.names:
+            for t in _tensors(out):  # remembered in case it is named later
+                self.by_tensor[id(t)] = (func, call, weakref.ref(t))
+        return out
+
+    def name(self, t: torch.Tensor) -> None:
+        """``t`` was named with a name the policy keeps: keep the op that
+        produced it, and when it is a view (a matmul's output reshaped), the op
+        that produced its base too, so that op is not run again either."""
+        for tensor in (t, t._base):
+            if tensor is None:
+                continue
+            found = self.by_tensor.get(id(tensor))
+            if found is None:
+                continue
+            func, call, ref = found
+            if ref() is tensor:
+                detached = tensor.detach()
+                self.kept.entries[(func, call)] = (detached, [detached._version])
+
+
+class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Active during a recompute: serves kept outputs instead of running ops."""
+
+    def __init__(self, kept: Kept) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kept = kept
+        self.calls: dict[Any, int] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        call = self.calls.get(func, 0)
+        self.calls[func] = call + 1
+        entry = self.kept.entries.get((func, call))
+        if entry is not None:
+            out, versions = entry
+            if _versions(out) == versions:
+                return out
+        return func(*args, **(kwargs or {}))
+
+
+_NAMING: list[tuple[Keeping, frozenset[str]]] = []
+
+
+def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
+    """Mark ``tensor`` with a name a :func:`names` policy can keep; returns the
+    tensor itself. Outside a region whose policy keeps this name it does nothing.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> def block(x):
+        ...     h = seqckpt.name(x @ x.T, "scores")  # kept: not recomputed
+        ...     return h.softmax(-1) @ x
+        >>> x = torch.randn(4, 4, requires_grad=True)
+        >>> policy = seqckpt.policies.names("scores")
+        >>> seqckpt.checkpoint(block, x, policy=policy).sum().backward()
+    """
+    if not isinstance(label, str):
+        raise TypeError(f"seqckpt: name() takes a string label, got {label!r}.")
+    for keeping, wanted in reversed(_NAMING):
+        if label in wanted:
+            keeping.name(tensor)
+            break
+    return tensor

@@ -1,0 +1,246 @@
+"""Selective saving: every form of policy, bitwise against the plain run, and
+that a kept op is not run again in the recompute."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import seqckpt
+from seqckpt import checkpoint, checkpoint_sequential
+from seqckpt.planner import Plan, Recompute, Run
+from seqckpt.policies import COMPUTE_HEAVY, Policy, as_policy, names, ops
+from tests.oracle import assert_matches_plain
+from tests.test_robustness import chains
+
+aten = torch.ops.aten
+
+
+class OpCounter(TorchDispatchMode):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.2), nn.Linear(16, 8), nn.Tanh()
+    )
+
+
+def keeps_gelu(op: Any, *args: Any, **kwargs: Any) -> bool:
+    return op is aten.gelu.default
+
+
+POLICIES: dict[str, Any] = {
+    "none": None,
+    "compute_heavy": "compute_heavy",
+    "packets": [aten.addmm],
+    "overloads": {aten.addmm.default, aten.gelu.default},
+    "callable": keeps_gelu,
+    "everything": lambda op, *a, **k: True,
+}
+
+
+@pytest.mark.parametrize("form", list(POLICIES))
+def test_every_policy_form_is_bitwise(form: str) -> None:
+    x = torch.randn(6, 8, requires_grad=True)
+    assert_matches_plain(mlp(), x, lambda m, t: checkpoint(m, t, policy=POLICIES[form]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(chains(), st.sampled_from(list(POLICIES)), st.data())
+def test_policies_on_random_chains(case: Any, form: str, data: st.DataObject) -> None:
+    model, width = case
+    k = data.draw(st.integers(1, len(model)))
+    x = torch.randn(4, width, requires_grad=True)
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: checkpoint_sequential(m, k, t, policy=POLICIES[form]),
+    )
+
+
+def ops_in_backward(policy: Any) -> dict[str, int]:
+    model = mlp()
+    y = checkpoint(model, torch.randn(6, 8, requires_grad=True), policy=policy)
+    with OpCounter() as counter:
+        y.sum().backward()
+    return counter.counts
+
+
+def test_a_kept_op_is_not_run_again() -> None:
+    none = ops_in_backward(None)
+    heavy = ops_in_backward("compute_heavy")
+    gelu = ops_in_backward(keeps_gelu)
+    # Without a policy the recompute runs both linear layers' addmm again.
+    assert none["addmm"] == 2 and "addmm" not in heavy
+    assert none["gelu"] == 1 and "gelu" not in gelu
+    assert gelu["addmm"] == none["addmm"]
+    # The backward's own matmuls are the same in all three.
+    assert none["mm"] == heavy["mm"] == gelu["mm"]
+
+
+def test_kept_outputs_cost_memory_until_the_recompute() -> None:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(128, 64, requires_grad=True)
+    held = {}
+    for form in (None, "compute_heavy"):
+        with seqckpt.track_memory("cpu") as mem:
+            y = checkpoint(block, x, policy=form)
+            held[form] = mem.live_bytes()
+            del y
+    # the first matmul's output (128 x 256 floats) is what compute_heavy keeps
+    assert held["compute_heavy"] - held[None] == 128 * 256 * 4
+
+
+def test_names_policy_keeps_what_user_code_names() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def named(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = seqckpt.name(m(x), "proj")
+        return (h.relu() @ h.T).tanh()
+
+    x = torch.randn(5, 8, requires_grad=True)
+    policy = names("proj")
+    assert_matches_plain(
+        lin,
+        x,
+        lambda m, t: checkpoint(named, m, t, policy=policy),
+        plain=named,
+    )
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return named(lin, t)
+
+    y = checkpoint(block, x, policy=policy)
+    with OpCounter() as counter:
+        y.sum().backward()
+    assert "addmm" not in counter.counts  # the named projection was kept
+    y = checkpoint(block, x, policy=names("other"))
+    with OpCounter() as counter:
+        y.sum().backward()
+    assert counter.counts.get("addmm") == 1
+    assert seqckpt.name(x, "proj") is x  # outside a region: nothing happens
+
+
+def test_random_ops_are_never_served_stale() -> None:
+    # Keeping everything keeps dropout's mask too; a second backward (retain
+    # graph) recomputes, with the same RNG, what the first one used up.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh())
+    x = torch.randn(16, 8, requires_grad=True)
+    torch.manual_seed(3)
+    y = checkpoint(model, x, policy=lambda op, *a, **k: True)
+    y.sum().backward(retain_graph=True)
+    first = x.grad.clone()
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * first)
+    x.grad = None
+    torch.manual_seed(3)
+    model(x).sum().backward()
+    assert torch.equal(first, x.grad)
+
+
+def test_a_kept_output_changed_in_place_is_computed_again() -> None:
+    def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = m(x)
+        h.relu_()  # changes the kept addmm output after it was kept
+        return h.sin()
+
+    x = torch.randn(3, 6, requires_grad=True)
+    assert_matches_plain(
+        nn.Linear(6, 6),
+        x,
+        lambda m, t: checkpoint(block, m, t, policy="compute_heavy"),
+        plain=block,
+    )
+
+
+def test_policies_in_plans_print_and_round_trip_json() -> None:
+    plan = Plan(
+        (
+            Recompute(0, 2, Plan((Run(0, 2),)), COMPUTE_HEAVY),
+            Recompute(2, 4, Plan((Run(2, 4),)), ops(aten.mm, aten.bmm.default)),
+            Recompute(4, 5, Plan((Run(4, 5),)), names("attn")),
+            Run(5, 6),
+        )
+    )
+    text = str(plan)
+    assert "recompute 0-1 keeping compute_heavy" in text
+    assert "keep(aten::bmm.default, aten::mm)" in text and "name:attn" in text
+    back = Plan.from_json(plan.to_json())
+    assert back == plan
+    assert [getattr(i, "policy", None) for i in back.items] == [
+        getattr(i, "policy", None) for i in plan.items
+    ]
+    with_callable = Plan((Recompute(0, 1, Plan((Run(0, 1),)), as_policy(keeps_gelu)),))
+    with pytest.raises(ValueError, match="callable"):
+        with_callable.to_json()
+
+
+def test_checkpoint_sequential_applies_the_policy_to_every_segment() -> None:
+    model = nn.Sequential(*[mlp() for _ in range(4)])
+    x = torch.randn(6, 8, requires_grad=True)
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: checkpoint_sequential(m, 3, t, policy="compute_heavy"),
+    )
+    wrapped = seqckpt.CheckpointedSequential(*model, segments=2, policy="compute_heavy")
+    assert "policy=compute_heavy" in repr(wrapped)
+    plan = seqckpt.executor.resolve_plan(3, list(model), COMPUTE_HEAVY)
+    assert all(
+        i.policy is COMPUTE_HEAVY for i in plan.items if isinstance(i, Recompute)
+    )
+
+
+@pytest.mark.parametrize(
+    ("policy", "error", "pattern"),
+    [
+        ("fastest", ValueError, "argument 'policy'"),
+        (3, TypeError, "argument 'policy'"),
+        ([3], TypeError, "aten ops"),
+    ],
+)
+def test_bad_policies(policy: object, error: type, pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        checkpoint(torch.sin, torch.randn(2, requires_grad=True), policy=policy)
+
+
+def test_policy_errors_name_the_conflict() -> None:
+    from torch.utils.checkpoint import noop_context_fn
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="either 'policy' or 'context_fn'"):
+        checkpoint(torch.sin, x, policy="compute_heavy", context_fn=noop_context_fn)
+    plan = Plan((Recompute(0, 1, Plan((Run(0, 1),))), Run(1, 2)))
+    with pytest.raises(ValueError, match="carries a policy per recomputed stretch"):
+        checkpoint_sequential([torch.sin, torch.cos], plan, x, policy="compute_heavy")
+    with pytest.raises(ValueError, match="planner chooses"):
+        checkpoint_sequential(
+            [torch.sin, torch.cos], "auto", x, policy="compute_heavy", memory_budget=10
+        )
+
+
+def test_policy_objects() -> None:
+    assert as_policy("compute_heavy") is COMPUTE_HEAVY
+    assert as_policy(None) is None
+    assert Policy.from_json(COMPUTE_HEAVY.to_json()) is COMPUTE_HEAVY
+    assert "aten::addmm" in COMPUTE_HEAVY.ops
+    with pytest.raises(TypeError, match="non-empty strings"):
+        names("")
