@@ -143,3 +143,100 @@ def test_nesting_appears_when_it_pays() -> None:
     plan = fastest_plan(prof, floor)
     top_level = sum(isinstance(i, Recompute) for i in plan.items)
     assert plan.checkpoints() > top_level
+
+
+def all_items_with_policies(
+    start: int, stop: int, policies: list[object], whole: bool = True
+) -> Iterator[tuple[Run | Recompute, ...]]:
+    """Every plan of the planner's space: as :func:`all_items`, with each
+    stretch also recomputed flat under each policy (inner plans may hold such
+    stretches too)."""
+    if start == stop:
+        yield ()
+        return
+    for rest in all_items_with_policies(start + 1, stop, policies):
+        yield (Run(start, start + 1), *rest)
+    for cut in range(start + 1, stop + 1 if whole else stop):
+        rests = list(all_items_with_policies(cut, stop, policies))
+        for inner in all_items_with_policies(start, cut, policies, whole=False):
+            for rest in rests:
+                yield (Recompute(start, cut, Plan(inner)), *rest)
+        for policy in policies:
+            flat = Recompute(start, cut, Plan((Run(start, cut),)), policy)  # type: ignore[arg-type]
+            for rest in rests:
+                yield (flat, *rest)
+
+
+@st.composite
+def profiles_with_a_policy(draw: st.DrawFn) -> tuple[object, int]:
+    from dataclasses import replace
+
+    from seqckpt.planner.profile import PolicyCost
+    from seqckpt.policies import COMPUTE_HEAVY
+
+    prof, _ = draw(profiles())
+    layers = tuple(
+        replace(
+            p,
+            policies=(
+                PolicyCost(
+                    COMPUTE_HEAVY,
+                    draw(st.integers(0, 40)) * 1000,
+                    p.forward_time * draw(st.integers(0, 4)) / 4,
+                ),
+            ),
+        )
+        for p in prof.layers  # type: ignore[attr-defined]
+    )
+    prof = type(prof)(layers, "cpu")  # type: ignore[operator]
+    model = CostModel.of(prof)  # type: ignore[arg-type]
+    floor, _ = least_memory(model)
+    top = model.total((Run(0, len(model)),))[0]
+    return prof, draw(st.integers(floor, max(floor, top)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(profiles_with_a_policy())
+def test_dp_with_policies_matches_brute_force(case: tuple[object, int]) -> None:
+    from seqckpt.policies import COMPUTE_HEAVY
+
+    prof, budget = case
+    model = CostModel.of(prof)  # type: ignore[arg-type]
+    n = len(model)
+    plan = fastest_plan(prof, budget)  # type: ignore[arg-type]
+    assert plan.predicted_peak_bytes is not None and plan.predicted_time is not None
+    assert plan.predicted_peak_bytes <= budget
+    assert (plan.predicted_peak_bytes, plan.predicted_time) == model.total(plan.items)
+    margin = (n + 2) * budget / DEFAULT_SLOTS
+    for items in all_items_with_policies(0, n, [COMPUTE_HEAVY]):
+        need, seconds = model.total(items)
+        if need <= budget - margin:
+            assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
+
+
+def test_a_policy_is_chosen_where_it_pays() -> None:
+    # Recomputing under the policy costs a tenth of a forward and keeps little:
+    # at a budget that forces checkpoints, the planner uses it.
+    from dataclasses import replace
+
+    from seqckpt.planner.profile import PolicyCost
+    from seqckpt.policies import COMPUTE_HEAVY
+
+    prof = equal_layers(12)
+    layers = tuple(
+        replace(p, policies=(PolicyCost(COMPUTE_HEAVY, 100, p.forward_time / 10),))
+        for p in prof.layers
+    )
+    prof = type(prof)(layers, "cpu")
+    model = CostModel.of(prof)
+    top = model.total((Run(0, 12),))[0]
+    plan = fastest_plan(prof, int(top * 0.6))
+    policies = [i.policy for i in plan.items if isinstance(i, Recompute)]
+    assert COMPUTE_HEAVY in policies
+    without = fastest_plan(
+        type(prof)(
+            prof.layers and tuple(replace(p, policies=()) for p in layers), "cpu"
+        ),
+        int(top * 0.6),
+    )
+    assert plan.predicted_time < without.predicted_time  # type: ignore[operator]

@@ -12,9 +12,15 @@ the whole chain's output, see :meth:`CostModel.output_grad`).
   of ``i`` with what it saved (output gradient included in its backward peak);
 - recompute ``i..j-1``, then the rest: a forward of ``i..j-1`` that keeps
   nothing, the rest with ``x_j`` held, then the inner plan of ``i..j-1`` with
-  the gradient of ``x_j`` live.
+  the gradient of ``x_j`` live;
+- recompute ``i..j-1`` under a policy (selective saving): its forward also keeps
+  what the policy selects (``K`` bytes, counted from that forward until the
+  stretch's recompute), and the recompute of the layers its inner plan runs
+  plainly takes their measured recompute time instead of a full forward.
 
-The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model.
+The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model over
+plans whose stretches with a policy recompute flat (their inner plan keeps every
+layer); stretches without a policy may nest.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from seqckpt.planner.profile import ChainProfile
-from seqckpt.planner.tree import Item, Plan, Recompute
+from seqckpt.planner.tree import Item, Plan, PlanError, Recompute, Run
+from seqckpt.policies import Policy
 
 __all__ = ["CostModel", "plan_cost"]
 
@@ -36,7 +43,9 @@ class CostModel:
     output); the others are indexed by layer. ``can_start[k]`` is False where a
     checkpointed stretch must not begin: layer ``k`` writes into its input in
     place (or returns its input to a layer that does), so a recompute would
-    start from modified values.
+    start from modified values. ``policies[p]`` is a policy the profile measured
+    (``policies[0]`` is None), ``kept_by[p][k]`` what layer ``k`` keeps under it
+    and ``recompute_by[p][k]`` the seconds of its recompute under it.
     """
 
     a: list[int]
@@ -48,6 +57,9 @@ class CostModel:
     forward_time: list[float]
     backward_time: list[float]
     can_start: list[bool]
+    policies: list[Policy | None]
+    kept_by: list[list[int]]
+    recompute_by: list[list[float]]
 
     @staticmethod
     def of(profile: ChainProfile) -> CostModel:
@@ -66,6 +78,28 @@ class CostModel:
             forward_time=[p.forward_time for p in layers],
             backward_time=[p.backward_time for p in layers],
             can_start=[not u for u in unsafe[:-1]],
+            policies=[None, *profile.policies],
+            kept_by=[[0] * len(layers)]
+            + [
+                [p.policies[q].kept_bytes for p in layers]
+                for q in range(len(profile.policies))
+            ],
+            recompute_by=[[p.forward_time for p in layers]]
+            + [
+                [p.policies[q].recompute_time for p in layers]
+                for q in range(len(profile.policies))
+            ],
+        )
+
+    def policy_index(self, policy: Policy | None) -> int:
+        """The index of ``policy`` among :attr:`policies`."""
+        for i, known in enumerate(self.policies):
+            if known == policy:
+                return i
+        raise PlanError(
+            f"seqckpt: the plan recomputes under policy {policy}, which the profile "
+            "did not measure; profile with seqckpt.profile(..., policies=[...]) "
+            "including it."
         )
 
     def __len__(self) -> int:
@@ -110,9 +144,22 @@ class CostModel:
             if isinstance(item, Recompute):
                 inner_need, inner_time = self.cost(item.inner.items, self.a[item.stop])
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
-                here = max(delta + nograd, inner_need)
+                kept = 0
+                if item.policy is not None:
+                    p = self.policy_index(item.policy)
+                    span = range(item.start, item.stop)
+                    kept = sum(self.kept_by[p][k] for k in span)
+                    # layers the inner plan runs plainly are recomputed under
+                    # the policy: their recompute time, not a full forward
+                    inner_time -= sum(
+                        self.forward_time[k] - self.recompute_by[p][k]
+                        for run in item.inner.items
+                        if isinstance(run, Run)
+                        for k in range(run.start, run.stop)
+                    )
+                here = max(delta + nograd + kept, inner_need)
                 if need is not None:
-                    here = max(here, self.a[item.stop] + need)
+                    here = max(here, self.a[item.stop] + kept + need)
                 need = here
                 seconds += forward + inner_time
                 continue

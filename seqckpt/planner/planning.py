@@ -3,6 +3,7 @@ the ``segments="auto"`` choice of :func:`seqckpt.checkpoint_sequential`."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -13,12 +14,15 @@ from seqckpt._buffers import modules_of
 from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
 from seqckpt.planner.budget import format_bytes, parse_budget
-from seqckpt.planner.profile import ChainProfile
+from seqckpt.planner.profile import ChainProfile, _candidates
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
 from seqckpt.planner.tree import Plan, PlanError
 
-__all__ = ["auto_plan", "available_bytes", "plan"]
+__all__ = ["DEFAULT_POLICIES", "auto_plan", "available_bytes", "plan", "with_policies"]
+
+# The candidate policies of each recomputed stretch when none are given.
+DEFAULT_POLICIES: tuple[Any, ...] = (None, "compute_heavy")
 
 
 def plan(
@@ -28,12 +32,18 @@ def plan(
     *,
     profile: ChainProfile | None = None,
     slots: int = DEFAULT_SLOTS,
+    policies: Sequence[Any] | None = None,
 ) -> Plan:
     """The fastest checkpointing plan for a chain whose peak fits a memory budget.
 
     The chain is profiled on ``sample_input`` (or ``profile`` is used), then the
     dynamic program picks, layer by layer, what to keep and what to recompute,
-    nesting recomputation where that is faster.
+    nesting recomputation where that is faster, and for each recomputed stretch
+    which of ``policies`` it recomputes under (what it keeps in forward, see
+    :mod:`seqckpt.policies`): boundaries, nesting and policies together, exact
+    with respect to the cost model (:mod:`seqckpt.planner.cost`). Chains longer
+    than 100 layers are planned on 100 groups of adjacent cheap layers (see
+    :mod:`seqckpt.planner.coarse`).
 
     Args:
         modules: the chain, in any form :func:`seqckpt.checkpoint_sequential` takes.
@@ -48,6 +58,10 @@ def plan(
             :func:`seqckpt.profile`, to plan several budgets from one profile.
         slots: how finely the solver divides the budget; more is slower and
             closer to the budget.
+        policies: the candidate policies of each recomputed stretch (``None``
+            in it: recomputing everything). Default: ``(None, "compute_heavy")``,
+            or with ``profile`` the policies it measured; a policy given here
+            must have been measured by ``profile``.
 
     Returns:
         A :class:`~seqckpt.Plan` with ``predicted_peak_bytes`` and
@@ -73,7 +87,8 @@ def plan(
         raise ValueError(f"seqckpt: slots must be an int >= 8, got {slots!r}.")
     chain = as_chain(modules)
     if profile is None:
-        profile = profile_chain(chain, sample_input)
+        policies = DEFAULT_POLICIES if policies is None else policies
+        profile = profile_chain(chain, sample_input, policies=policies)
     elif not isinstance(profile, ChainProfile):
         raise TypeError(
             "seqckpt: profile must be a ChainProfile from seqckpt.profile(), got "
@@ -84,7 +99,31 @@ def plan(
             f"seqckpt: profile has {len(profile)} layers but the chain has "
             f"{len(chain)} modules; profile this chain."
         )
+    if policies is not None:
+        profile = with_policies(profile, policies)
     return fastest_plan(profile, budget, slots)
+
+
+def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfile:
+    """``profile`` keeping only the measurements of ``policies`` (None is always
+    a candidate); raises PlanError for a policy the profile did not measure."""
+    wanted = _candidates(policies)
+    measured = profile.policies
+    missing = [p for p in wanted if p not in measured]
+    if missing:
+        raise PlanError(
+            f"seqckpt: the profile has no measurements for policy "
+            f"{', '.join(map(str, missing))}; profile with "
+            f"seqckpt.profile(..., policies={[None, *map(str, wanted)]})."
+        )
+    if list(measured) == wanted:
+        return profile
+    keep = [measured.index(p) for p in wanted]
+    layers = tuple(
+        dataclasses.replace(layer, policies=tuple(layer.policies[i] for i in keep))
+        for layer in profile.layers
+    )
+    return ChainProfile(layers, profile.device)
 
 
 _AUTO_CACHE: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()

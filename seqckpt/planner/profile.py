@@ -25,9 +25,11 @@ from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.checkpoint import Options, _Region
 from seqckpt.memory import Stopwatch, track_memory
+from seqckpt.policies import Policy, as_policy
 
-__all__ = ["ChainProfile", "LayerProfile", "profile"]
+__all__ = ["ChainProfile", "LayerProfile", "PolicyCost", "profile"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class LayerProfile:
         modifies_input: it writes into its input in place (``nn.ReLU(inplace=
             True)``); a checkpointed stretch never starts at such an item.
         returns_input: its output is (a view of) its input.
+        policies: for each policy the chain was profiled with (see
+            :func:`profile`), what the item keeps under it and the seconds of
+            its recompute.
     """
 
     name: str
@@ -67,6 +72,23 @@ class LayerProfile:
     backward_peak_bytes: int
     modifies_input: bool = False
     returns_input: bool = False
+    policies: tuple[PolicyCost, ...] = ()
+
+
+@dataclass(frozen=True)
+class PolicyCost:
+    """What one item costs checkpointed under one policy.
+
+    Attributes:
+        policy: the policy.
+        kept_bytes: bytes the forward keeps beyond the item's output.
+        recompute_time: seconds of its recompute (the kept results served, the
+            rest run again).
+    """
+
+    policy: Policy
+    kept_bytes: int
+    recompute_time: float
 
 
 @dataclass(frozen=True)
@@ -107,8 +129,27 @@ class ChainProfile:
             for r in rows
         )
 
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        """The policies every item was measured under (besides None)."""
+        return tuple(c.policy for c in self.layers[0].policies) if self.layers else ()
+
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "layers": [asdict(p) for p in self.layers]}
+        layers = []
+        for p in self.layers:
+            row = asdict(p)
+            row["policies"] = [
+                {
+                    "policy": c.policy.to_json()
+                    if c.policy.keep is None
+                    else str(c.policy),
+                    "kept_bytes": c.kept_bytes,
+                    "recompute_time": c.recompute_time,
+                }
+                for c in p.policies
+            ]
+            layers.append(row)
+        return {"device": self.device, "layers": layers}
 
 
 def _nbytes(obj: Any) -> int:
@@ -240,7 +281,11 @@ def _storages(obj: Any) -> set[int]:
 
 
 def _profile_item(
-    item: Callable[..., Any], x: Any, device: torch.device, repeats: int
+    item: Callable[..., Any],
+    x: Any,
+    device: torch.device,
+    repeats: int,
+    policies: Sequence[Policy],
 ) -> tuple[LayerProfile, Any]:
     # Warm up outside the measurements: the sandbox meets the modules the item
     # calls, and first cuBLAS / cuDNN calls allocate their workspaces.
@@ -276,6 +321,15 @@ def _profile_item(
         backwards.run(partial(backward_with_loss_grad, out))
         _clear_input_grads(x)
     forward_times, backward_times = forwards.seconds(), backwards.seconds()
+    forward_time = statistics.median(forward_times[1:])
+    costs = tuple(
+        # An item that writes into its input cannot be a region by itself; it
+        # is charged as recomputed in full, keeping nothing.
+        PolicyCost(policy, 0, forward_time)
+        if modifies_input
+        else _policy_cost(item, x, device, policy, output_bytes, repeats)
+        for policy in policies
+    )
     next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
     del out
     name = (
@@ -285,7 +339,7 @@ def _profile_item(
     )
     layer = LayerProfile(
         name=name,
-        forward_time=statistics.median(forward_times[1:]),
+        forward_time=forward_time,
         backward_time=statistics.median(backward_times[1:]),
         input_bytes=_nbytes(x),
         output_bytes=output_bytes,
@@ -296,11 +350,60 @@ def _profile_item(
         backward_peak_bytes=backward_peak,
         modifies_input=modifies_input,
         returns_input=returns_input,
+        policies=costs,
     )
     return layer, next_input
 
 
-def profile(modules: Any, sample_input: Any, *, repeats: int = 5) -> ChainProfile:
+def _policy_cost(
+    item: Callable[..., Any],
+    x: Any,
+    device: torch.device,
+    policy: Policy,
+    output_bytes: int,
+    repeats: int,
+) -> PolicyCost:
+    """What ``item`` keeps when checkpointed under ``policy`` (live bytes after
+    its checkpointed forward, less its output) and the median seconds of its
+    recompute alone (run to its end, as inside a longer stretch)."""
+    options = Options(early_stop=False, policy=policy)
+    inputs = _fresh(x)
+    with track_memory(device) as mem:
+        region = _Region(item, (inputs,), {}, options, None)
+        out = region.run()
+        kept = max(0, mem.live_bytes() - output_bytes)
+        del out, region
+    watch = Stopwatch(device)
+    for _ in range(repeats + 1):  # the first round warms up and is dropped
+        region = _Region(item, (_fresh(x),), {}, options, None)
+        out = region.run()
+        watch.run(region._recompute)
+        del out, region
+    return PolicyCost(policy, kept, statistics.median(watch.seconds()[1:]))
+
+
+def _candidates(policies: Sequence[Any]) -> list[Policy]:
+    """The distinct policies other than None, in order."""
+    if isinstance(policies, (str, Policy)) or not isinstance(policies, Sequence):
+        raise TypeError(
+            "seqckpt: argument 'policies' must be a list or tuple of policies, "
+            f"e.g. (None, 'compute_heavy'), got {policies!r}."
+        )
+    found: list[Policy] = []
+    for p in policies:
+        resolved = as_policy(p)
+        if resolved is not None and resolved not in found:
+            found.append(resolved)
+    return found
+
+
+def profile(
+    modules: Any,
+    sample_input: Any,
+    *,
+    repeats: int = 5,
+    policies: Sequence[Any] = (),
+) -> ChainProfile:
     """Measure each item of a chain: forward and backward time (medians of
     ``repeats`` runs after one warm-up; on CUDA timed with events, so small
     items are not charged launch latency), input and output bytes, the bytes
@@ -317,6 +420,9 @@ def profile(modules: Any, sample_input: Any, *, repeats: int = 5) -> ChainProfil
         modules: the chain, in any form :func:`seqckpt.checkpoint_sequential` takes.
         sample_input: an input batch like the ones the chain will train on.
         repeats: timed runs per item.
+        policies: policies (other than None) to measure each item under, for
+            :func:`seqckpt.plan` to choose among: what the item keeps under each
+            and the time of its recompute (see :mod:`seqckpt.policies`).
 
     Returns:
         A :class:`ChainProfile`; pass it to :func:`seqckpt.plan`.
@@ -331,12 +437,13 @@ def profile(modules: Any, sample_input: Any, *, repeats: int = 5) -> ChainProfil
     chain = as_chain(modules)
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"seqckpt: repeats must be an int >= 1, got {repeats!r}.")
+    chosen = _candidates(policies)
     device = _device(sample_input, chain)
     devices = accelerator_devices(tensors_in(sample_input))
     layers = []
     with sandbox(devices), torch.enable_grad():
         x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
         for item in chain:
-            layer, x = _profile_item(item, x, device, repeats)
+            layer, x = _profile_item(item, x, device, repeats, chosen)
             layers.append(layer)
     return ChainProfile(tuple(layers), str(device))

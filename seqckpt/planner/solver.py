@@ -19,6 +19,7 @@ import math
 import torch
 
 from seqckpt.planner.budget import format_bytes
+from seqckpt.planner.coarse import coarsen, expand
 from seqckpt.planner.cost import CostModel
 from seqckpt.planner.profile import ChainProfile
 from seqckpt.planner.tree import Item, Plan, PlanError, Recompute, Run
@@ -26,9 +27,11 @@ from seqckpt.planner.tree import Item, Plan, PlanError, Recompute, Run
 __all__ = ["fastest_plan", "least_memory"]
 
 DEFAULT_SLOTS = 400
-# A tiny cost per checkpointed region, so that among equally fast plans the one
-# with fewer regions wins.
-_REGION_TIE_BREAK = 1e-9
+# Longer chains are planned on this many groups of adjacent layers.
+EXACT_LAYERS = 100
+# A tiny cost per checkpointed region (relative to a layer's step time), so
+# that among equally fast plans the one with fewer regions wins.
+_REGION_TIE_BREAK = 1e-4
 
 
 def _merge(items: list[Item]) -> tuple[Item, ...]:
@@ -98,73 +101,168 @@ def _slots(nbytes: int, unit: float) -> int:
     return math.ceil(nbytes / unit)
 
 
+def _ceil_slots(nbytes: torch.Tensor, unit: float) -> torch.Tensor:
+    return torch.ceil(nbytes / unit).to(torch.int64)
+
+
+class _Tables:
+    """The per-stretch figures the DP reads, as tensors over (i, j): the
+    stretch of layers ``i..j-1``."""
+
+    def __init__(self, model: CostModel) -> None:
+        n = len(model)
+        f64 = torch.float64
+        self.a = torch.tensor(model.a, dtype=f64)
+        self.kept = torch.tensor(model.kept, dtype=f64)
+        self.forward_peak = torch.tensor(model.forward_peak, dtype=f64)
+        self.held = torch.tensor(model.held, dtype=f64)
+        self.backward_peak = torch.tensor(model.backward_peak, dtype=f64)
+        self.step = torch.tensor(
+            [f + b for f, b in zip(model.forward_time, model.backward_time)],  # noqa: B905
+            dtype=f64,
+        )
+        self.delta = torch.tensor(
+            [model.output_grad(last) for last in range(n)], dtype=f64
+        )
+        self.can_start = torch.tensor(model.can_start)
+
+        def prefix(values: list[float] | list[int]) -> torch.Tensor:
+            return torch.cat(
+                (torch.zeros(1, dtype=f64), torch.tensor(values, dtype=f64).cumsum(0))
+            )
+
+        self.F = prefix(model.forward_time)
+        self.B = prefix(model.backward_time)
+        self.R = [prefix(r) for r in model.recompute_by]
+        self.K = [prefix(k) for k in model.kept_by]
+        # nograd[i, j]: bytes of running i..j-1 keeping nothing (input of i not
+        # counted); flat[i, j]: bytes of keeping every layer of i..j-1 with the
+        # gradient of x_j live (the recompute of a stretch under a policy).
+        # Built in Python lists, then one tensor each (element writes into a
+        # tensor cost microseconds each).
+        nograd = [[0.0] * (n + 1) for _ in range(n)]
+        flat = [[0.0] * (n + 1) for _ in range(n)]
+        for i in range(n):
+            row = nograd[i]
+            for j, _, stretch_peak in model.cuts(i, n):
+                row[j] = stretch_peak
+        for j in range(1, n + 1):
+            need = 0
+            for i in reversed(range(j)):
+                alone = model.keep_alone(i, model.a[j])
+                need = alone if i == j - 1 else max(alone, model.kept[i] + need)
+                flat[i][j] = need
+        self.nograd = torch.tensor(nograd, dtype=f64)
+        self.flat = torch.tensor(flat, dtype=f64)
+
+
+def _gather_shifted(table: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``table[..., s - shift]`` for every slot ``s`` (inf where that is below 0)."""
+    slots = table.shape[-1]
+    index = torch.arange(slots).expand_as(table) - shift.unsqueeze(-1)
+    below = index < 0
+    return table.gather(-1, index.clamp(min=0)).masked_fill(below, math.inf)
+
+
 def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
     """The DP on ``slots`` slots of ``budget / slots`` bytes (sizes rounded up, so
-    a plan found always fits the budget); None when nothing fits."""
+    a plan found always fits the budget); None when nothing fits.
+
+    ``T[i, last, s]`` is the least time for layers ``i..last`` in ``s`` slots; its
+    choice is 0 (keep layer ``i``) or ``p * (n + 1) + j``: checkpoint ``i..j-1``
+    under policy ``p`` (0: none, its inner plan itself optimal; else a flat
+    recompute). One diagonal ``last - i = d`` is computed at a time, all its
+    stretches at once, so the Python loop runs ``n`` times.
+    """
     n = len(model)
     unit = budget / slots
+    tables = _Tables(model)
     inf = math.inf
-    s_range = torch.arange(slots + 1)
-    a = [_slots(x, unit) for x in model.a]
-    kept = [_slots(x, unit) for x in model.kept]
-    table = torch.full((n, n, slots + 1), inf, dtype=torch.float64)
-    choice = torch.full((n, n, slots + 1), -1, dtype=torch.int32)
-    a_tensor = torch.tensor(a)
+    width = slots + 1
+    s_range = torch.arange(width)
+    dtype = torch.float32  # half the memory traffic of float64; times to ~1e-7
+    T = torch.full((n, n, width), inf, dtype=dtype)
+    # Tx[j, last, s] = T[j, last, s - a_j]: the rest after a cut at j, with x_j
+    # held, made once per entry instead of once per stretch that cuts at j.
+    Tx = torch.full((n, n, width), inf, dtype=dtype)
+    C = torch.full((n, n, width), -1, dtype=torch.int32)
+    tie = _REGION_TIE_BREAK * max(1e-12, float(tables.step.mean()))
+    a_slots = _ceil_slots(tables.a, unit)
+    policies = len(model.policies)
 
     for d in range(n):
-        for i in range(n - d):
-            last = i + d
-            delta = model.output_grad(last)
-            base = model.forward_time[i] + model.backward_time[i]
-            lower = max(
-                _slots(delta + model.forward_peak[i], unit),
-                _slots(model.held[i] + model.backward_peak[i], unit),
+        starts = torch.arange(n - d)
+        lasts = starts + d
+        delta = tables.delta[lasts]
+        lower = torch.maximum(
+            _ceil_slots(delta + tables.forward_peak[starts], unit),
+            _ceil_slots(tables.held[starts] + tables.backward_peak[starts], unit),
+        )
+        allowed = s_range[None, :] >= lower[:, None]
+        base = tables.step[starts].to(dtype)[:, None]
+        if d == 0:
+            best = torch.where(allowed, base, inf)
+        else:
+            rest = _gather_shifted(
+                T[starts + 1, lasts], _ceil_slots(tables.kept[starts], unit)
             )
-            if d == 0:
-                best = torch.where(s_range >= lower, base, inf)
-                table[i, last] = best
-                choice[i, last] = torch.where(torch.isfinite(best), 0, -1)
-                continue
-            keep = torch.full((slots + 1,), inf, dtype=torch.float64)
-            if kept[i] <= slots:
-                keep[kept[i] :] = base + table[i + 1, last, : slots + 1 - kept[i]]
-            keep = torch.where(s_range >= lower, keep, inf)
-            if not model.can_start[i]:
-                table[i, last] = keep
-                choice[i, last] = torch.where(torch.isfinite(keep), 0, -1)
-                continue
+            best = torch.where(allowed, rest + base, inf)
+        code = torch.zeros_like(best, dtype=torch.int32)
+        startable = tables.can_start[starts]
+        if d > 0 and bool(startable.any()):
+            cuts = starts[:, None] + torch.arange(1, d + 1)[None, :]
+            firsts = starts[:, None].expand_as(cuts)
+            after = Tx[cuts, lasts[:, None].expand_as(cuts)]  # (stretches, d, slots)
+            forward = tables.F[cuts] - tables.F[firsts]
+            nograd = tables.nograd[firsts, cuts]
+            flat = tables.flat[firsts, cuts]
+            for p in range(policies):
+                if p == 0:  # no policy: the inner stretch solved optimally
+                    total = after + T[firsts, cuts - 1]
+                    total += (forward + tie).to(dtype)[..., None]
+                    need = _ceil_slots(delta[:, None] + nograd, unit)
+                else:  # a flat recompute under the policy, holding what it keeps
+                    # Stretches too long to recompute flat in the budget are
+                    # left out (flat needs grow with the stretch's length).
+                    fits = (flat <= budget).any(dim=0).nonzero()
+                    if len(fits) == 0:
+                        continue
+                    m = int(fits.max()) + 1
+                    c, f = cuts[:, :m], firsts[:, :m]
+                    kept = tables.K[p][c] - tables.K[p][f]
+                    seconds = forward[:, :m] + tables.R[p][c] - tables.R[p][f]
+                    seconds += tables.B[c] - tables.B[f] + tie
+                    total = _gather_shifted(after[:, :m], _ceil_slots(kept, unit))
+                    total += seconds.to(dtype)[..., None]
+                    need = torch.maximum(
+                        _ceil_slots(delta[:, None] + nograd[:, :m] + kept, unit),
+                        _ceil_slots(flat[:, :m], unit),
+                    )
+                total.masked_fill_(s_range < need[..., None], inf)
+                ckpt, cut = total.min(dim=1)  # (stretches, slots)
+                ckpt.masked_fill_(~startable[:, None], inf)
+                use = ckpt < best
+                best = torch.where(use, ckpt, best)
+                code = torch.where(
+                    use, (p * (n + 1) + starts[:, None] + 1 + cut).to(torch.int32), code
+                )
+        T[starts, lasts] = best
+        Tx[starts, lasts] = _gather_shifted(best, a_slots[starts])
+        C[starts, lasts] = torch.where(torch.isfinite(best), code, -1)
 
-            js = torch.arange(i + 1, last + 1)
-            # rest j..last with x_j held: table[j, last, s - a_j]
-            shift = s_range[None, :] - a_tensor[js][:, None]
-            rest = table[js, last].gather(1, shift.clamp(min=0))
-            rest = rest.masked_fill(shift < 0, inf)
-            inner = table[i, js - 1]
-            needs, forwards = [], []
-            for _, forward, nograd in model.cuts(i, last):
-                needs.append(_slots(delta + nograd, unit))
-                forwards.append(forward + _REGION_TIE_BREAK)
-            total = rest + inner + torch.tensor(forwards, dtype=torch.float64)[:, None]
-            total = total.masked_fill(
-                s_range[None, :] < torch.tensor(needs)[:, None], inf
-            )
-            ckpt, arg = total.min(dim=0)
-            use_ckpt = ckpt < keep
-            best = torch.where(use_ckpt, ckpt, keep)
-            table[i, last] = best
-            choice[i, last] = torch.where(
-                torch.isfinite(best), torch.where(use_ckpt, js[arg], 0), -1
-            )
-
-    if not math.isfinite(float(table[0, n - 1, slots])):
+    if not math.isfinite(float(T[0, n - 1, slots])):
         return None
-    return Plan(_merge(_rebuild(choice.tolist(), kept, a, 0, n - 1, slots)))
+    a = [_slots(x, unit) for x in model.a]
+    kept_slots = [_slots(x, unit) for x in model.kept]
+    return Plan(_merge(_rebuild(C, model, kept_slots, a, unit, 0, n - 1, slots)))
 
 
 def _rebuild(
-    choices: list[list[list[int]]],
+    choices: torch.Tensor,
+    model: CostModel,
     kept: list[int],
     a: list[int],
+    unit: float,
     i: int,
     last: int,
     s: int,
@@ -172,9 +270,10 @@ def _rebuild(
     """The plan items the DP chose for layers ``i..last`` with ``s`` slots. (A
     module-level function: a recursive closure would be a reference cycle holding
     the whole table until the garbage collector runs.)"""
+    n = len(model)
     items: list[Item] = []
     while True:
-        c = choices[i][last][s]
+        c = int(choices[i, last, s])
         assert c >= 0, "the DP table led to an infeasible state"
         if c == 0:
             items.append(Run(i, i + 1))
@@ -182,31 +281,58 @@ def _rebuild(
                 return items
             s -= kept[i]
             i += 1
+            continue
+        p, j = divmod(c, n + 1)
+        if p == 0:
+            inner = _rebuild(choices, model, kept, a, unit, i, j - 1, s)
+            items.append(Recompute(i, j, Plan(_merge(inner))))
+            s -= a[j]
         else:
-            inner = _rebuild(choices, kept, a, i, c - 1, s)
-            items.append(Recompute(i, c, Plan(_merge(inner))))
-            s -= a[c]
-            i = c
+            stretch_kept = sum(model.kept_by[p][k] for k in range(i, j))
+            items.append(Recompute(i, j, Plan((Run(i, j),)), model.policies[p]))
+            s -= a[j] + _slots(stretch_kept, unit)
+        i = j
 
 
 def fastest_plan(
-    profile: ChainProfile, budget: int | None, slots: int = DEFAULT_SLOTS
+    profile: ChainProfile,
+    budget: int | None,
+    slots: int = DEFAULT_SLOTS,
+    exact_up_to: int = EXACT_LAYERS,
 ) -> Plan:
     """The fastest plan whose predicted peak fits ``budget`` bytes, with its
     ``predicted_peak_bytes`` and ``predicted_time`` filled in.
 
     ``budget=None`` keeps every activation (nothing is faster). Raises
     :class:`PlanError` naming the smallest feasible budget when none fits.
+    Chains longer than ``exact_up_to`` layers are planned on groups of adjacent
+    cheap layers (see :mod:`seqckpt.planner.coarse`); the predictions are then
+    those of the expanded plan on the layers.
     """
     model = CostModel.of(profile)
     n = len(model)
     keep_all = Plan((Run(0, n),))
     plan: Plan | None = keep_all
+    groups: tuple[CostModel, list[int]] | None = None
+    if n > exact_up_to:
+        coarse, starts = coarsen(profile, exact_up_to, model.can_start)
+        groups = (CostModel.of(coarse), starts)
     if budget is not None and model.total(keep_all.items)[0] > budget:
-        plan = _solve(model, budget, slots)
+        if groups is None:
+            plan = _solve(model, budget, slots)
+        else:
+            found = _solve(groups[0], budget, slots)
+            plan = None if found is None else expand(found, groups[1], n)
+            if plan is not None and model.total(plan.items)[0] > budget:
+                plan = None  # the groups' estimate was optimistic: fall through
     if plan is None:  # nothing fits, or rounding to slots lost the last bytes
         assert budget is not None
-        floor, plan = least_memory(model)
+        if groups is None:
+            floor, plan = least_memory(model)
+        else:
+            _, coarse_plan = least_memory(groups[0])
+            plan = expand(coarse_plan, groups[1], n)
+            floor = model.total(plan.items)[0]
         if floor > budget:
             raise PlanError(
                 f"seqckpt: memory_budget={budget} bytes ({format_bytes(budget)}) is "
