@@ -135,6 +135,55 @@ def frontier_table(benchmarks: list[dict[str, Any]]) -> str:
     return "\n".join(lines + eq_lines)
 
 
+def plan_at_torch_table(rows: list[dict[str, Any]]) -> str:
+    """seqckpt.plan at each torch variant's peak (bench/test_selective.py)."""
+    lines = [
+        "| torch variant | torch MiB | plan MiB | plan x torch peak | time x torch "
+        "(paired) | over plain: ours | over plain: torch | policies in the plan |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        info = row["extra_info"]
+        lines.append(
+            f"| {info['torch_variant']} | {_mib(info['budget_bytes'])} | "
+            f"{_mib(info['peak_bytes'])} | "
+            f"{info['peak_bytes'] / info['budget_bytes']:.3f} | "
+            f"{info['paired_x_torch']:.2f} | {100 * info['overhead_ours']:+.0f}% | "
+            f"{100 * info['overhead_torch']:+.0f}% | "
+            f"{', '.join(info['policies']) or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def best_k_table(rows: list[dict[str, Any]]) -> str:
+    """The plan at torch's best uniform k's peak, per batch (resnet)."""
+    lines = [
+        "| batch | torch's best k | torch MiB | plan MiB | time x torch (paired) |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    ratios = []
+    for row in rows:
+        info = row["extra_info"]
+        ratios.append(info["paired_x_torch"])
+        batch = info["variant"].split(":")[0].removeprefix("batch ")
+        lines.append(
+            f"| {batch} | {info['best_k']} | {_mib(info['budget_bytes'])} | "
+            f"{_mib(info['peak_bytes'])} | {info['paired_x_torch']:.2f} |"
+        )
+    mean = sum(ratios) / len(ratios)
+    lines += [
+        "",
+        f"Average: {mean:.2f}x torch's time ({100 * (1 - mean):.0f}% faster).",
+    ]
+    return "\n".join(lines)
+
+
+SPECIAL_TABLES = {
+    "selective-plan-at-torch-gpt": plan_at_torch_table,
+    "selective-resnet-best-k": best_k_table,
+}
+
+
 def report(paths: list[Path]) -> str:
     out: list[str] = []
     for path in paths:
@@ -155,7 +204,7 @@ def report(paths: list[Path]) -> str:
         for group, rows in groups.items():
             if not group.startswith("frontier-"):
                 out.append(f"\n#### {group}\n")
-                out.append(group_table(rows))
+                out.append(SPECIAL_TABLES.get(group, group_table)(rows))
         if frontier:
             out.append("\n#### planner against uniform segments (resnet)\n")
             out.append(frontier_table(frontier))

@@ -6,7 +6,9 @@ Every workload runs every variant; each benchmark times one training step
 ``extra_info``. ``k`` is the workload's default segment count.
 
 Variants: ``plain``; torch's ``checkpoint_sequential`` non-reentrant and
-reentrant; timm-style ``torch_every_block``; ``seqckpt`` uniform k; and
+reentrant; timm-style ``torch_every_block`` and the same under torch's selective
+checkpointing keeping the compute-heavy ops (``torch_sac_every_block``);
+``seqckpt`` uniform k; and
 ``seqckpt.plan`` at three budgets: torch's measured peak at k (equal memory),
 and half and a quarter of the plain step's peak (raised to the smallest feasible
 budget when below it).
@@ -33,16 +35,17 @@ from bench.workloads import (
     profile_of,
     run_benchmark,
     seqckpt_segments,
-    torch_every_block,
     torch_sequential,
 )
 from seqckpt.planner import PlanError
+from seqckpt.planner.frontier import torch_every_block, torch_sac_every_block
 
 FIXED: dict[str, object] = {
     "plain": lambda k: plain,
     "torch_nonreentrant": lambda k: torch_sequential(k, reentrant=False),
     "torch_reentrant": lambda k: torch_sequential(k, reentrant=True),
     "torch_every_block": lambda k: torch_every_block,
+    "torch_sac_every_block": lambda k: torch_sac_every_block,
     "seqckpt": lambda k: seqckpt_segments(k),
 }
 PAIRS = 9

@@ -21,7 +21,11 @@ import seqckpt
 from seqckpt.memory import sync_device, timed
 from seqckpt.models import MODELS
 from seqckpt.planner import ChainProfile, Plan
-from seqckpt.planner.frontier import Forward, measure_peak, training_step
+from seqckpt.planner.frontier import (
+    Forward,
+    measure_peak,
+    training_step,
+)
 
 SIZES = ("cpu", "gpu", "tiny")
 
@@ -87,6 +91,7 @@ WORKLOADS: dict[str, Workload] = {
         _from_models("mlp", 512, 16384),
         _from_models("resnet", 32, 256),
         _from_models("transformer", 8, 128),
+        _from_models("gpt", 8, 64),
         Workload(
             "tiny64",
             "64 blocks of Linear(32) + GELU, batch 8: overhead-dominated",
@@ -118,11 +123,15 @@ def torch_sequential(k: int, reentrant: bool) -> Forward:
     return run
 
 
-def torch_every_block(model: nn.Sequential, x: Any) -> Any:
-    """timm-style: every block its own checkpoint (torch, non-reentrant)."""
-    for block in model:
-        x = tc.checkpoint(block, x, use_reentrant=False)
-    return x
+def seqckpt_every_block(policy: Any) -> Forward:
+    """Every block its own seqckpt checkpoint under ``policy``."""
+
+    def run(model: nn.Sequential, x: Any) -> Any:
+        for block in model:
+            x = seqckpt.checkpoint(block, x, policy=policy)
+        return x
+
+    return run
 
 
 def seqckpt_segments(segments: int | Plan) -> Forward:

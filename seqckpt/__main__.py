@@ -23,6 +23,7 @@ from seqckpt.planner.frontier import (
     measure_step,
     plot_frontier,
 )
+from seqckpt.policies import POLICIES
 from seqckpt.validation import make_deterministic, resolve_device, validate
 
 DEFAULT_MODEL = "resnet"
@@ -69,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)
         p.add_argument("--batch", type=int, default=None, help="batch size")
+        p.add_argument(
+            "--policies",
+            default="none,compute_heavy",
+            help="candidate policies of each recomputed stretch, comma-separated "
+            "(default none,compute_heavy; 'none' alone: no selective saving)",
+        )
         if name == "plan":
             p.add_argument(
                 "--budget",
@@ -124,9 +131,25 @@ def _model_and_input(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     return spec.build().to(device), spec.sample(device, args.batch), device
 
 
+def _policies(text: str) -> list[str | None]:
+    chosen: list[str | None] = []
+    for word in text.split(","):
+        word = word.strip()
+        if word in ("none", "None", ""):
+            chosen.append(None)
+        elif word in POLICIES:
+            chosen.append(word)
+        else:
+            raise ValueError(
+                f"seqckpt: --policies takes none and {', '.join(POLICIES)}, "
+                f"comma-separated, got {word!r}."
+            )
+    return chosen
+
+
 def run_profile(args: argparse.Namespace) -> int:
     model, x, _ = _model_and_input(args)
-    prof = profile(model, x)
+    prof = profile(model, x, policies=_policies(args.policies))
     print(json.dumps(prof.to_dict(), indent=1) if args.json else prof.table())
     return 0
 
@@ -135,7 +158,7 @@ def run_plan(args: argparse.Namespace) -> int:
     model, x, device = _model_and_input(args)
     budget = None if args.budget is None else parse_budget(args.budget, "--budget")
     print(f"seqckpt: profiling {args.model} on {device} ...", file=sys.stderr)
-    prof = profile(model, x)
+    prof = profile(model, x, policies=_policies(args.policies))
     try:
         chosen = plan(model, x, budget, profile=prof)
     except PlanError as error:

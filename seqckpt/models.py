@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["MODELS", "ModelSpec"]
+__all__ = ["MODELS", "GPTBlock", "ModelSpec"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +129,38 @@ def _transformer() -> nn.Sequential:
     )
 
 
+class GPTBlock(nn.Module):
+    """A pre-norm GPT block: LayerNorm, QKV projection, causal scaled-dot-product
+    attention, output projection, residual; LayerNorm, MLP with GELU,
+    residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (
+            self.qkv(self.norm1(x))
+            .view(batch, length, 3, self.heads, width // self.heads)
+            .permute(2, 0, 3, 1, 4)
+        )
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        out: torch.Tensor = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+        return out
+
+
+def _gpt() -> nn.Sequential:
+    return nn.Sequential(*[GPTBlock(128, 4) for _ in range(8)])
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -154,6 +186,14 @@ MODELS: dict[str, ModelSpec] = {
             _transformer,
             (64, 128),
             {"cpu": 8, "cuda": 128},
+            3,
+        ),
+        ModelSpec(
+            "gpt",
+            "8 pre-norm GPT blocks (width 128, 4 heads, causal attention, GELU MLP)",
+            _gpt,
+            (128, 128),
+            {"cpu": 8, "cuda": 64},
             3,
         ),
     )

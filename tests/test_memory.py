@@ -130,7 +130,7 @@ def test_cuda_and_cpu_figures_agree() -> None:
     assert abs(mem.peak_bytes - cpu) <= 0.05 * cpu
 
 
-@pytest.mark.parametrize("name", ["mlp", "resnet", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "resnet", "transformer", "gpt"])
 def test_values_check_costs_at_most_ten_percent_more_memory(name: str) -> None:
     # Fingerprints are reductions accumulated in float64 without a float64 copy
     # of the saved tensor; "values" runs each recompute to its end (one more

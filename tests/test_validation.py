@@ -14,7 +14,7 @@ from seqckpt.__main__ import main
 
 def test_validate_rows_on_cpu() -> None:
     rows = seqckpt.validate("all", device="cpu")
-    assert [r["model"] for r in rows] == ["mlp", "resnet", "transformer"]
+    assert [r["model"] for r in rows] == ["mlp", "resnet", "transformer", "gpt"]
     for row in rows:
         assert row["bitwise_equal"] and row["ok"], row
         assert row["max_abs_grad_diff"] == 0.0

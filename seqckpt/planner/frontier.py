@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,13 +30,18 @@ from seqckpt.planner.cost import CostModel
 from seqckpt.planner.profile import ChainProfile, backward_with_loss_grad
 from seqckpt.planner.solver import fastest_plan, least_memory
 from seqckpt.planner.tree import Plan, Run
+from seqckpt.policies import COMPUTE_HEAVY
 
 __all__ = [
+    "TORCH_SAC",
     "FrontierPoint",
     "StepMeasurement",
     "frontier",
     "measure_peak",
     "measure_step",
+    "torch_every_block",
+    "torch_sac_every_block",
+    "torch_uniform",
     "training_step",
 ]
 
@@ -49,7 +55,12 @@ class StepMeasurement:
     seconds: float
 
 
-def _torch_uniform(k: int) -> Callable[[nn.Sequential, Any], Any]:
+Forward = Callable[[nn.Sequential, Any], Any]
+
+
+def torch_uniform(k: int) -> Forward:
+    """torch's ``checkpoint_sequential`` (non-reentrant) in ``k`` segments."""
+
     def run(model: nn.Sequential, x: Any) -> Any:
         return torch_checkpoint.checkpoint_sequential(  # type: ignore[no-untyped-call]
             model, k, x, use_reentrant=False
@@ -58,7 +69,33 @@ def _torch_uniform(k: int) -> Callable[[nn.Sequential, Any], Any]:
     return run
 
 
-Forward = Callable[[nn.Sequential, Any], Any]
+def torch_every_block(model: nn.Sequential, x: Any) -> Any:
+    """timm-style: every block its own torch (non-reentrant) checkpoint."""
+    for block in model:
+        x = torch_checkpoint.checkpoint(block, x, use_reentrant=False)
+    return x
+
+
+def _keep_heavy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    if COMPUTE_HEAVY.keeps(op, args, kwargs):
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+TORCH_SAC = functools.partial(
+    torch_checkpoint.create_selective_checkpoint_contexts, _keep_heavy
+)
+
+
+def torch_sac_every_block(model: nn.Sequential, x: Any) -> Any:
+    """Every block its own torch checkpoint under torch's selective
+    checkpointing keeping what ``"compute_heavy"`` keeps (matmuls,
+    convolutions, fused attention)."""
+    for block in model:
+        x = torch_checkpoint.checkpoint(
+            block, x, use_reentrant=False, context_fn=TORCH_SAC
+        )
+    return x
 
 
 def training_step(model: nn.Sequential, x: Any, forward: Forward) -> None:
@@ -136,25 +173,47 @@ def frontier(
     progress: Callable[[str], None] | None = None,
 ) -> list[FrontierPoint]:
     """Measure planned schedules at ``points`` budgets spread from the smallest
-    feasible peak to the keep-everything peak, and every uniform segment count
-    with seqckpt and with ``torch.utils.checkpoint.checkpoint_sequential``."""
+    feasible peak to the keep-everything peak (with the profile's policies, and
+    without any when it has some), every uniform segment count with seqckpt and
+    with ``torch.utils.checkpoint.checkpoint_sequential``, and torch's
+    checkpoint of every block, plain and under its selective checkpointing."""
+    from seqckpt.planner.planning import with_policies
+
     model_costs = CostModel.of(profile)
     n = len(model_costs)
     floor, _ = least_memory(model_costs)
     top, _ = model_costs.total((Run(0, n),))
     out = []
-    for i in range(points):
-        budget = int(floor + (top - floor) * i / max(1, points - 1))
-        plan = fastest_plan(profile, budget)
+    kinds = [("planned", profile)]
+    if profile.policies:
+        kinds = [
+            ("planned", profile),
+            ("planned, no policy", with_policies(profile, [None])),
+        ]
+    for kind, chosen_profile in kinds:
+        for i in range(points):
+            budget = int(floor + (top - floor) * i / max(1, points - 1))
+            plan = fastest_plan(chosen_profile, budget)
+            if progress:
+                progress(f"{kind} {format_bytes(budget)}")
+            out.append(
+                FrontierPoint(
+                    kind,
+                    format_bytes(budget),
+                    measure_step(model, x, plan, device, repeats),
+                    plan.predicted_peak_bytes,
+                    plan.predicted_time,
+                )
+            )
+    for label, forward in (
+        ("every block", torch_every_block),
+        ("every block SAC", torch_sac_every_block),
+    ):
         if progress:
-            progress(f"planned {format_bytes(budget)}")
+            progress(f"torch {label}")
         out.append(
             FrontierPoint(
-                "planned",
-                format_bytes(budget),
-                measure_step(model, x, plan, device, repeats),
-                plan.predicted_peak_bytes,
-                plan.predicted_time,
+                "torch " + label, "-", measure_step(model, x, forward, device, repeats)
             )
         )
     for k in range(1, n + 1):
@@ -169,7 +228,7 @@ def frontier(
             FrontierPoint(
                 "torch uniform",
                 f"{k}",
-                measure_step(model, x, _torch_uniform(k), device, repeats),
+                measure_step(model, x, torch_uniform(k), device, repeats),
             )
         )
     return out
@@ -203,9 +262,12 @@ def plot_frontier(points: list[FrontierPoint], path: str, title: str) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {
-        "planned": ("o-", "seqckpt.plan (budgets)"),
+        "planned": ("o-", "seqckpt.plan (budgets, policies)"),
+        "planned, no policy": ("o--", "seqckpt.plan (budgets, no policy)"),
         "seqckpt uniform": ("s--", "seqckpt uniform k"),
         "torch uniform": ("^:", "torch checkpoint_sequential k"),
+        "torch every block": ("v", "torch checkpoint per block"),
+        "torch every block SAC": ("D", "torch SAC per block (compute-heavy kept)"),
     }
     for kind, (style, label) in styles.items():
         chosen = sorted(

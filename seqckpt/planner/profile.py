@@ -103,8 +103,10 @@ class ChainProfile:
 
     def table(self) -> str:
         """The profile as an aligned text table, one row per item."""
-        head = ("#", "item", "fwd ms", "bwd ms", "in MiB", "out MiB", "saved MiB",
-                "fwd peak MiB", "bwd peak MiB")  # fmt: skip
+        head: tuple[str, ...] = ("#", "item", "fwd ms", "bwd ms", "in MiB",
+                "out MiB", "saved MiB", "fwd peak MiB", "bwd peak MiB")  # fmt: skip
+        for policy in self.policies:
+            head += (f"{policy} kept MiB", f"{policy} recompute ms")
         rows = [head]
         for i, p in enumerate(self.layers):
             rows.append(
@@ -118,6 +120,14 @@ class ChainProfile:
                     f"{p.saved_bytes / 2**20:.3f}",
                     f"{p.forward_peak_bytes / 2**20:.3f}",
                     f"{p.backward_peak_bytes / 2**20:.3f}",
+                    *(
+                        value
+                        for c in p.policies
+                        for value in (
+                            f"{c.kept_bytes / 2**20:.3f}",
+                            f"{c.recompute_time * 1e3:.3f}",
+                        )
+                    ),
                 )
             )
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
