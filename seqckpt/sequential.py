@@ -20,6 +20,7 @@ from torch import nn
 from seqckpt._chain import Chain, as_chain
 from seqckpt.checkpoint import ContextFn, DeterminismCheck, make_options
 from seqckpt.executor import resolve_plan, run_plan
+from seqckpt.planner.adaptive import BudgetSource
 from seqckpt.planner.budget import parse_budget
 from seqckpt.planner.planning import auto_plan
 from seqckpt.planner.tree import Plan, default_segments
@@ -34,7 +35,7 @@ def plan_for(
     segments: object,
     chain: Sequence[Callable[[Any], Any]],
     input: Any,
-    memory_budget: int | str | None,
+    memory_budget: BudgetSource | None,
     policy: Policy | None = None,
 ) -> Plan:
     """The plan for ``segments`` in any accepted form; ``"auto"`` asks the planner
@@ -71,7 +72,7 @@ def checkpoint_sequential(
     context_fn: ContextFn | None = None,
     debug: bool = False,
     early_stop: bool = True,
-    memory_budget: int | str | None = None,
+    memory_budget: BudgetSource | None = None,
     policy: Any = None,
 ) -> Any:
     """Run a chain of modules with all but its last segment checkpointed.
@@ -87,10 +88,12 @@ def checkpoint_sequential(
             puts the whole remainder in its last, plain segment), none starting
             at an item with ``inplace=True``; a list of segment sizes summing to
             the number of modules; or a :class:`~seqckpt.planner.Plan`, e.g. from
-            :func:`seqckpt.plan`; or ``"auto"``: the fastest plan that fits
-            ``memory_budget`` (or, for an input on CUDA, 90% of the device's free
-            memory), planned on the first call for this chain and input shape
-            and then reused.
+            :func:`seqckpt.plan`; or ``"auto"``: for each batch, the fastest plan
+            that fits ``memory_budget`` (or, for an input on CUDA, the free
+            memory less what the step has yet to allocate), chosen from the
+            chain's frontier: profiled once (and once more at a second size),
+            then predicted for every input shape (see
+            :mod:`seqckpt.planner.adaptive`).
         input: passed to the first module, as ``nn.Sequential`` does; tuples and
             dicts flowing between stages are fine.
         use_reentrant: accepted for torch compatibility and ignored.
@@ -99,8 +102,9 @@ def checkpoint_sequential(
         context_fn: see :func:`seqckpt.checkpoint`; called once per region.
         debug: see :func:`seqckpt.checkpoint`.
         early_stop: see :func:`seqckpt.checkpoint`.
-        memory_budget: with ``segments="auto"``: bytes, or a string such as
-            ``"512MiB"`` (see :func:`seqckpt.plan`).
+        memory_budget: with ``segments="auto"``: bytes, a string such as
+            ``"512MiB"`` (see :func:`seqckpt.plan`), or a callable returning the
+            bytes available now, called at every step.
         policy: what each checkpointed segment keeps (see
             :func:`seqckpt.checkpoint`), with ``segments`` a count or sizes; a
             plan carries its own per segment.
@@ -177,7 +181,7 @@ class CheckpointedSequential(nn.Sequential):
         context_fn: ContextFn | None = None,
         debug: bool = False,
         early_stop: bool = True,
-        memory_budget: int | str | None = None,
+        memory_budget: BudgetSource | None = None,
         policy: Any = None,
     ) -> None:
         super().__init__(*args)
@@ -189,7 +193,7 @@ class CheckpointedSequential(nn.Sequential):
             early_stop=early_stop,
             use_reentrant=use_reentrant,
         )
-        if memory_budget is not None:
+        if memory_budget is not None and not callable(memory_budget):
             parse_budget(memory_budget)
         _check_budget_use(segments, memory_budget)
         self.policy = as_policy(policy)

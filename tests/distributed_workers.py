@@ -159,7 +159,7 @@ def auto_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> Non
             assert torch.allclose(g.grad, e, rtol=1e-5, atol=1e-6), f"grad {i}"  # type: ignore[arg-type]
         from seqckpt.planner.planning import broadcast_text
 
-        (plan,) = _AUTO_CACHE.values()
+        ((_, plan),) = _AUTO_CACHE.values()
         assert broadcast_text(plan.to_json(), torch.device("cpu")) == plan.to_json(), (
             f"rank {rank} runs another plan than rank 0"
         )

@@ -13,7 +13,7 @@ from torch import nn
 import seqckpt
 from seqckpt.models import MODELS
 from seqckpt.planner import Plan, PlanError, Recompute, plan_cost
-from seqckpt.planner.planning import _AUTO_CACHE
+from seqckpt.planner.planning import _AUTO_CACHE, AUTO_STATS
 from tests.oracle import assert_matches_plain
 
 
@@ -123,17 +123,21 @@ def test_segments_auto_plans_once_and_matches_plain() -> None:
         ),
     )
     _AUTO_CACHE.clear()
+    before = AUTO_STATS.profiles
     for _ in range(2):
         seqckpt.checkpoint_sequential(model, "auto", x, memory_budget="250KiB")
-    assert len(_AUTO_CACHE) == 1  # planned once, then reused
-    (plan,) = _AUTO_CACHE.values()
+    profiles = AUTO_STATS.profiles
+    assert profiles == before + 1  # profiled once, then reused
+    assert len(_AUTO_CACHE) == 1
+    ((_, plan),) = _AUTO_CACHE.values()
     assert plan.checkpoints() > 0 and plan.predicted_peak_bytes <= 250 * 1024
 
     wrapped = seqckpt.CheckpointedSequential(
         *model, segments="auto", memory_budget="250KiB"
     )
     wrapped(x).sum().backward()
-    assert len(_AUTO_CACHE) == 1  # the same modules, input and budget
+    assert len(_AUTO_CACHE) == 1  # the same modules, input size and budget
+    assert AUTO_STATS.profiles == profiles
 
 
 def test_segments_auto_errors() -> None:
@@ -155,7 +159,7 @@ def test_segments_auto_uses_free_cuda_memory() -> None:
     x = torch.randn(32, 64, device="cuda")
     _AUTO_CACHE.clear()
     seqckpt.checkpoint_sequential(model, "auto", x).sum().backward()
-    (plan,) = _AUTO_CACHE.values()
+    ((_, plan),) = _AUTO_CACHE.values()
     assert plan.checkpoints() == 0  # a few KiB fit in any free GPU memory
 
 

@@ -4,6 +4,7 @@ the ``segments="auto"`` choice of :func:`seqckpt.checkpoint_sequential`."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -13,13 +14,22 @@ import torch
 from seqckpt._buffers import modules_of
 from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
+from seqckpt.planner.adaptive import BudgetSource, Frontier, budget_now, input_size
 from seqckpt.planner.budget import format_bytes, parse_budget
 from seqckpt.planner.profile import ChainProfile, _candidates
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
 from seqckpt.planner.tree import Plan, PlanError
 
-__all__ = ["DEFAULT_POLICIES", "auto_plan", "available_bytes", "plan", "with_policies"]
+__all__ = [
+    "AUTO_STATS",
+    "DEFAULT_POLICIES",
+    "auto_frontier",
+    "auto_plan",
+    "available_bytes",
+    "plan",
+    "with_policies",
+]
 
 # The candidate policies of each recomputed stretch when none are given.
 DEFAULT_POLICIES: tuple[Any, ...] = (None, "compute_heavy")
@@ -33,7 +43,8 @@ def plan(
     profile: ChainProfile | None = None,
     slots: int = DEFAULT_SLOTS,
     policies: Sequence[Any] | None = None,
-) -> Plan:
+    frontier: bool = False,
+) -> Any:
     """The fastest checkpointing plan for a chain whose peak fits a memory budget.
 
     The chain is profiled on ``sample_input`` (or ``profile`` is used), then the
@@ -62,6 +73,10 @@ def plan(
             in it: recomputing everything). Default: ``(None, "compute_heavy")``,
             or with ``profile`` the policies it measured; a policy given here
             must have been measured by ``profile``.
+        frontier: return a :class:`~seqckpt.planner.adaptive.Frontier` instead:
+            the plans of every budget, for inputs of every size (its
+            ``plan_for(batch, budget)`` picks one per batch; ``to_json`` saves
+            it); ``memory_budget`` is then not used.
 
     Returns:
         A :class:`~seqckpt.Plan` with ``predicted_peak_bytes`` and
@@ -101,6 +116,8 @@ def plan(
         )
     if policies is not None:
         profile = with_policies(profile, policies)
+    if frontier:
+        return Frontier([(input_size(sample_input), profile)], slots=slots)
     return fastest_plan(profile, budget, slots)
 
 
@@ -126,20 +143,15 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
     return ChainProfile(layers, profile.device)
 
 
-_AUTO_CACHE: OrderedDict[tuple[Any, ...], Plan] = OrderedDict()
+_FRONTIERS: dict[tuple[Any, ...], Frontier] = {}
+# The plan chosen for the last (input size, budget) pairs.
+_AUTO_CACHE: OrderedDict[tuple[int, int], tuple[Frontier, Plan]] = OrderedDict()
 _AUTO_CACHE_SIZE = 64
 # Leave this share of the free CUDA memory unplanned (fragmentation, the loss).
 CUDA_FREE_SHARE = 0.9
 # Optimizer state per parameter byte kept free when planning for free memory
 # before the first step has allocated it (Adam's two moments).
 OPTIMIZER_STATE_PER_PARAMETER = 2
-
-
-def _signature(input: Any) -> tuple[Any, ...]:
-    return tuple(
-        (tuple(t.shape), t.dtype, str(t.device), t.requires_grad)
-        for t in tensors_in(input)
-    )
 
 
 def _cuda_device(input: Any) -> torch.device:
@@ -243,41 +255,99 @@ def _rank_zero_plan(result: Plan | PlanError, input: Any) -> Plan:
     return Plan.from_json(text)
 
 
-def auto_plan(
-    chain: Sequence[Any], input: Any, memory_budget: int | str | None
-) -> Plan:
-    """The plan for ``segments="auto"``: planned on the first call for this chain,
-    input shape and budget, then reused (at most 64 plans are remembered).
+@dataclasses.dataclass
+class AutoStats:
+    """What ``segments="auto"`` has spent (for benchmarks and curiosity)."""
 
-    Under ``torch.distributed`` every rank profiles and plans at the same call
-    (as DDP runs the same steps on every rank) with the smallest budget of all
-    ranks, and every rank uses rank 0's plan."""
-    key = (tuple(id(m) for m in chain), _signature(input), memory_budget)
-    cached = _AUTO_CACHE.get(key)
-    if cached is not None:
-        _AUTO_CACHE.move_to_end(key)
-        return cached
-    if torch.compiler.is_compiling():
-        raise RuntimeError(
-            "seqckpt: segments='auto' cannot profile the chain inside torch.compile; "
-            "run one eager training step first, or pass seqckpt.plan(...) as "
-            "segments."
-        )
-    budget = (
-        _device_budget(chain, input)
-        if memory_budget is None
-        else parse_budget(memory_budget)
+    profiles: int = 0
+    profile_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    steps: int = 0
+
+
+AUTO_STATS = AutoStats()
+
+
+def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
+    """A chain and the kind of input it gets, whatever the input's shape."""
+    kinds = tuple(
+        (t.dim(), t.dtype, str(t.device), t.requires_grad) for t in tensors_in(input)
     )
-    if _distributed():
-        budget = _smallest_on_any_rank(budget, input)
-        try:
-            result: Plan | PlanError = plan(chain, input, budget)
-        except PlanError as error:
-            result = error
-        result = _rank_zero_plan(result, input)
-    else:
-        result = plan(chain, input, budget)
-    _AUTO_CACHE[key] = result
-    if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
-        _AUTO_CACHE.popitem(last=False)
-    return result
+    return (tuple(id(m) for m in chain), kinds)
+
+
+def _timed_profile(
+    chain: Sequence[Any], input: Any, policies: Sequence[Any]
+) -> ChainProfile:
+    began = time.perf_counter()
+    try:
+        return profile_chain(chain, input, policies=policies)
+    finally:
+        AUTO_STATS.profiles += 1
+        AUTO_STATS.profile_seconds += time.perf_counter() - began
+
+
+def auto_frontier(chain: Sequence[Any], input: Any) -> Frontier:
+    """The frontier ``segments="auto"`` keeps for this chain and kind of input:
+    profiled on the first call, and once more at the first size that differs by
+    half (or where measured peaks drifted); then reused for every shape."""
+    key = _frontier_key(chain, input)
+    frontier = _FRONTIERS.get(key)
+    size = input_size(input)
+    if frontier is None:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "seqckpt: segments='auto' cannot profile the chain inside "
+                "torch.compile; run one eager training step first, or pass "
+                "seqckpt.plan(...) as segments."
+            )
+        frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
+        _FRONTIERS[key] = frontier
+        if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
+            _FRONTIERS.pop(next(iter(_FRONTIERS)))
+    elif frontier.needs_profile(size) and not torch.compiler.is_compiling():
+        policies = [None, *frontier.points[0][1].policies]
+        frontier.add_profile(size, _timed_profile(chain, input, policies))
+    return frontier
+
+
+def auto_plan(
+    chain: Sequence[Any], input: Any, memory_budget: BudgetSource | None
+) -> Plan:
+    """The plan for ``segments="auto"``: the fastest plan of the chain's
+    :class:`~seqckpt.planner.adaptive.Frontier` whose predicted peak for this
+    input fits the budget (an int, a string, or a callable evaluated now; on
+    CUDA without one, the free memory, see :func:`available_bytes`).
+
+    Under ``torch.distributed`` every rank plans at the same call with the
+    smallest budget of all ranks, and every rank uses rank 0's plan."""
+    frontier = auto_frontier(chain, input)
+    began = time.perf_counter()
+    try:
+        budget = (
+            _device_budget(chain, input)
+            if memory_budget is None
+            else budget_now(memory_budget)
+        )
+        if _distributed():  # every call: all ranks then share the cache's keys
+            budget = _smallest_on_any_rank(budget, input)
+        key = (input_size(input), budget)
+        cached = _AUTO_CACHE.get(key)
+        if cached is not None and cached[0] is frontier:
+            chosen = cached[1]
+        else:
+            if _distributed():
+                try:
+                    result: Plan | PlanError = frontier.plan_for(input, budget)
+                except PlanError as error:
+                    result = error
+                chosen = _rank_zero_plan(result, input)
+            else:
+                chosen = frontier.plan_for(input, budget)
+            _AUTO_CACHE[key] = (frontier, chosen)
+            if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
+                _AUTO_CACHE.popitem(last=False)
+        return chosen
+    finally:
+        AUTO_STATS.steps += 1
+        AUTO_STATS.plan_seconds += time.perf_counter() - began

@@ -145,6 +145,8 @@ class ChainProfile:
         return tuple(c.policy for c in self.layers[0].policies) if self.layers else ()
 
     def to_dict(self) -> dict[str, Any]:
+        """The profile as plain data (:meth:`from_dict` reads it back; a callable
+        policy is written as its name and cannot be read back)."""
         layers = []
         for p in self.layers:
             row = asdict(p)
@@ -160,6 +162,23 @@ class ChainProfile:
             ]
             layers.append(row)
         return {"device": self.device, "layers": layers}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> ChainProfile:
+        """Read what :meth:`to_dict` wrote."""
+        layers = []
+        for row in data["layers"]:
+            fields = {k: v for k, v in row.items() if k != "policies"}
+            costs = tuple(
+                PolicyCost(
+                    Policy.from_json(c["policy"]),
+                    int(c["kept_bytes"]),
+                    float(c["recompute_time"]),
+                )
+                for c in row.get("policies", ())
+            )
+            layers.append(LayerProfile(**fields, policies=costs))
+        return ChainProfile(tuple(layers), str(data["device"]))
 
 
 def _nbytes(obj: Any) -> int:

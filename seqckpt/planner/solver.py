@@ -24,7 +24,7 @@ from seqckpt.planner.cost import CostModel
 from seqckpt.planner.profile import ChainProfile
 from seqckpt.planner.tree import Item, Plan, PlanError, Recompute, Run
 
-__all__ = ["fastest_plan", "least_memory"]
+__all__ = ["fastest_plan", "frontier_plans", "least_memory", "smallest_peak"]
 
 DEFAULT_SLOTS = 400
 # Longer chains are planned on this many groups of adjacent layers.
@@ -166,7 +166,47 @@ def _gather_shifted(table: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
     """The DP on ``slots`` slots of ``budget / slots`` bytes (sizes rounded up, so
-    a plan found always fits the budget); None when nothing fits.
+    a plan found always fits the budget); None when nothing fits."""
+    T, C = _table(model, budget, slots)
+    n = len(model)
+    if not math.isfinite(float(T[0, n - 1, slots])):
+        return None
+    return _plan_at(C, model, budget, slots, slots)
+
+
+def frontier_plans(
+    model: CostModel, budget: int, slots: int = DEFAULT_SLOTS
+) -> list[Plan]:
+    """The fastest plan for every budget up to ``budget``, from one solve: the
+    table holds the least time for each number of slots, and each step down
+    that staircase is another plan (the first one the least memory the slots
+    can express, the last one the fastest within ``budget``)."""
+    T, C = _table(model, budget, slots)
+    n = len(model)
+    best = T[0, n - 1]
+    plans: list[Plan] = []
+    previous = math.inf
+    for s in range(slots + 1):
+        value = float(best[s])
+        if math.isfinite(value) and value < previous:
+            plans.append(_plan_at(C, model, budget, slots, s))
+            previous = value
+    return plans
+
+
+def _plan_at(
+    C: torch.Tensor, model: CostModel, budget: int, slots: int, s: int
+) -> Plan:
+    unit = budget / slots
+    a = [_slots(x, unit) for x in model.a]
+    kept_slots = [_slots(x, unit) for x in model.kept]
+    return Plan(_merge(_rebuild(C, model, kept_slots, a, unit, 0, len(model) - 1, s)))
+
+
+def _table(
+    model: CostModel, budget: int, slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DP table and its choices (see :func:`_solve`).
 
     ``T[i, last, s]`` is the least time for layers ``i..last`` in ``s`` slots; its
     choice is 0 (keep layer ``i``) or ``p * (n + 1) + j``: checkpoint ``i..j-1``
@@ -249,12 +289,7 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
         T[starts, lasts] = best
         Tx[starts, lasts] = _gather_shifted(best, a_slots[starts])
         C[starts, lasts] = torch.where(torch.isfinite(best), code, -1)
-
-    if not math.isfinite(float(T[0, n - 1, slots])):
-        return None
-    a = [_slots(x, unit) for x in model.a]
-    kept_slots = [_slots(x, unit) for x in model.kept]
-    return Plan(_merge(_rebuild(C, model, kept_slots, a, unit, 0, n - 1, slots)))
+    return T, C
 
 
 def _rebuild(
@@ -294,6 +329,21 @@ def _rebuild(
         i = j
 
 
+def smallest_peak(
+    profile: ChainProfile, exact_up_to: int = EXACT_LAYERS
+) -> tuple[int, Plan]:
+    """The smallest peak a plan reaches (exactly up to ``exact_up_to`` layers,
+    on groups of layers beyond) and such a plan."""
+    model = CostModel.of(profile)
+    n = len(model)
+    if n <= exact_up_to:
+        return least_memory(model)
+    coarse, starts = coarsen(profile, exact_up_to, model.can_start)
+    _, plan = least_memory(CostModel.of(coarse))
+    plan = expand(plan, starts, n)
+    return model.total(plan.items)[0], plan
+
+
 def fastest_plan(
     profile: ChainProfile,
     budget: int | None,
@@ -327,12 +377,7 @@ def fastest_plan(
                 plan = None  # the groups' estimate was optimistic: fall through
     if plan is None:  # nothing fits, or rounding to slots lost the last bytes
         assert budget is not None
-        if groups is None:
-            floor, plan = least_memory(model)
-        else:
-            _, coarse_plan = least_memory(groups[0])
-            plan = expand(coarse_plan, groups[1], n)
-            floor = model.total(plan.items)[0]
+        floor, plan = smallest_peak(profile, exact_up_to)
         if floor > budget:
             raise PlanError(
                 f"seqckpt: memory_budget={budget} bytes ({format_bytes(budget)}) is "

@@ -1,0 +1,335 @@
+"""Plans that follow the input: one or two profiles, the plans of the whole
+frontier, and for every batch shape the fastest stored plan that fits.
+
+Batches of varying shape (sequence lengths, image sizes, packed batches) need
+different plans: a short batch can keep everything, a long one must recompute.
+Profiling every new shape costs several timed steps each; one plan made for the
+longest shape recomputes far more than short batches need. A
+:class:`Frontier` does neither:
+
+- **Sizes.** A layer's bytes grow close to linearly with the number of
+  elements of the chain's input, and its times close to linearly above a
+  floor. The frontier profiles the chain at the first shape it sees and at the
+  first one that differs by half or more, fits each figure as a line through
+  the two (proportional to the size while there is one), and predicts every
+  other shape's profile.
+- **Plans.** One solve gives the fastest plan for every budget up to the
+  keep-everything peak (the solver's table holds all of them); those plans are
+  stored. For a batch, the fastest stored plan whose predicted peak at that
+  batch's size fits the budget is run, without profiling or solving again.
+  The first batch of each new size class (sizes within a factor of two) adds
+  that class's own frontier from its predicted profile.
+- **Checks.** :meth:`Frontier.observe` takes a measured peak; when it is more
+  than ``tolerance`` (10%) away from the prediction, the next batch of that
+  size is profiled again and the fit uses it.
+- **Never over budget.** When no plan's predicted peak fits, ``PlanError``
+  names the smallest budget that would, before anything runs.
+
+Example:
+    >>> import torch, seqckpt
+    >>> chain = torch.nn.Sequential(
+    ...     *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh())
+    ...       for _ in range(6)])
+    >>> frontier = seqckpt.plan(chain, torch.randn(32, 64), frontier=True)
+    >>> small, large = torch.randn(8, 64), torch.randn(64, 64)
+    >>> frontier.plan_for(small, "100KiB").checkpoints()  # everything fits
+    0
+    >>> frontier.plan_for(large, "100KiB").checkpoints() > 0  # no new profile
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from seqckpt._tree import tensors_in
+from seqckpt.planner.budget import format_bytes, parse_budget
+from seqckpt.planner.cost import CostModel
+from seqckpt.planner.profile import ChainProfile, PolicyCost
+from seqckpt.planner.solver import (
+    DEFAULT_SLOTS,
+    EXACT_LAYERS,
+    fastest_plan,
+    frontier_plans,
+    smallest_peak,
+)
+from seqckpt.planner.tree import Plan, PlanError, Run
+
+__all__ = ["Frontier", "input_size"]
+
+_BYTES = (
+    "input_bytes",
+    "output_bytes",
+    "saved_bytes",
+    "held_bytes",
+    "forward_peak_bytes",
+    "nograd_peak_bytes",
+    "backward_peak_bytes",
+)
+_TIMES = ("forward_time", "backward_time")
+# A time predicted for a smaller size never drops below this share of the
+# smallest measured one (launch and Python overheads do not shrink).
+_TIME_FLOOR = 0.25
+
+
+def input_size(input: Any) -> int:
+    """The size a frontier keys on: the number of elements of the input's
+    tensors (batch x sequence x width for a language model's activations)."""
+    return sum(t.numel() for t in tensors_in(input))
+
+
+def _line(x: float, points: list[tuple[int, float]]) -> float:
+    """The value at ``x`` of the line through the two points nearest in size
+    (through the origin with one point)."""
+    if len(points) == 1:
+        (x0, y0) = points[0]
+        return y0 * x / x0
+    (x0, y0), (x1, y1) = sorted(points, key=lambda p: abs(p[0] - x))[:2]
+    if x0 == x1:
+        return y0
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
+    """Every figure of every layer at ``size``, from the measured profiles."""
+    layers = []
+    template = points[0][1]
+    for k, layer in enumerate(template.layers):
+        values: dict[str, Any] = {}
+        for field in _BYTES:
+            line = [(x, float(getattr(p.layers[k], field))) for x, p in points]
+            values[field] = max(0, math.ceil(_line(size, line)))
+        for field in _TIMES:
+            line = [(x, getattr(p.layers[k], field)) for x, p in points]
+            floor = _TIME_FLOOR * min(y for _, y in line)
+            values[field] = max(floor, _line(size, line))
+        costs = []
+        for q, cost in enumerate(layer.policies):
+            kept = [(x, float(p.layers[k].policies[q].kept_bytes)) for x, p in points]
+            times = [(x, p.layers[k].policies[q].recompute_time) for x, p in points]
+            floor = _TIME_FLOOR * min(y for _, y in times)
+            costs.append(
+                PolicyCost(
+                    cost.policy,
+                    max(0, math.ceil(_line(size, kept))),
+                    max(floor, _line(size, times)),
+                )
+            )
+        layers.append(dataclasses.replace(layer, **values, policies=tuple(costs)))
+    return ChainProfile(tuple(layers), template.device)
+
+
+def _size_class(size: int) -> int:
+    return max(0, int(math.log2(max(1, size))))
+
+
+class Frontier:
+    """The plans of a chain for every budget and every input size.
+
+    Made by ``seqckpt.plan(modules, sample, frontier=True)`` (or used inside
+    ``segments="auto"``). :meth:`plan_for` gives the plan for a batch and a
+    budget; :meth:`needs_profile` tells whether a batch of that size should be
+    profiled (then :meth:`add_profile`); :meth:`observe` checks a measured
+    peak. :meth:`to_json` / :meth:`from_json` save and load it.
+
+    Attributes:
+        points: the measured profiles, as (input size, profile).
+        plans: the stored candidate plans.
+        tolerance: how far (a share) a measured peak may be from the
+            prediction before that size is profiled again.
+    """
+
+    def __init__(
+        self,
+        points: Sequence[tuple[int, ChainProfile]],
+        *,
+        slots: int = DEFAULT_SLOTS,
+        tolerance: float = 0.10,
+        plans: Sequence[Plan] = (),
+    ) -> None:
+        if not points:
+            raise ValueError("seqckpt: a frontier needs at least one profile.")
+        self.points = list(points)
+        self.slots = slots
+        self.tolerance = tolerance
+        self.plans: list[Plan] = list(plans)
+        self._classes: set[int] = set()
+        self._models: dict[int, CostModel] = {}
+        self._stale: set[int] = set()
+        self.solves = 0
+
+    def __len__(self) -> int:
+        return len(self.points[0][1])
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(str(x) for x, _ in self.points)
+        return (
+            f"Frontier({len(self)} layers, profiled at sizes {sizes}, "
+            f"{len(self.plans)} plans)"
+        )
+
+    # ------------------------------------------------------------ predictions
+
+    def profile_at(self, size: int) -> ChainProfile:
+        """The predicted profile for an input of ``size`` elements."""
+        return _predict(self.points, size)
+
+    def _model(self, size: int) -> CostModel:
+        model = self._models.get(size)
+        if model is None:
+            if len(self._models) > 256:
+                self._models.clear()
+            model = self._models[size] = CostModel.of(self.profile_at(size))
+        return model
+
+    def needs_profile(self, size: int) -> bool:
+        """Whether a batch of ``size`` elements should be profiled: while only
+        one size is profiled, the first that differs by a factor of 1.5; and a
+        size whose measured peak drifted from its prediction."""
+        if _size_class(size) in self._stale:
+            return True
+        if len(self.points) == 1:
+            first = self.points[0][0]
+            return max(size, first) >= 1.5 * min(size, first)
+        return False
+
+    def add_profile(self, size: int, profile: ChainProfile) -> None:
+        """Use a profile measured at ``size`` for the predictions."""
+        if len(profile) != len(self):
+            raise PlanError(
+                f"seqckpt: profile has {len(profile)} layers, the frontier "
+                f"{len(self)}; profile the same chain."
+            )
+        self.points = [(x, p) for x, p in self.points if x != size] + [(size, profile)]
+        self._stale.discard(_size_class(size))
+        self._models.clear()
+        self._classes.clear()  # the size classes solve again with the new fit
+
+    def observe(self, input: Any, peak_bytes: int, plan: Plan) -> bool:
+        """Compare a step's measured peak with ``plan``'s prediction at this
+        input's size; returns True (and marks the size for a profile) when
+        they are more than ``tolerance`` apart."""
+        size = input_size(input)
+        predicted, _ = self._model(size).total(plan.items)
+        drifted = abs(peak_bytes - predicted) > self.tolerance * max(1, predicted)
+        if drifted:
+            self._stale.add(_size_class(size))
+        return drifted
+
+    # ------------------------------------------------------------------ plans
+
+    def plan_for(self, input: Any, budget: int | str) -> Plan:
+        """The fastest stored plan whose predicted peak for ``input`` (a batch,
+        or its size in elements) fits ``budget``; the first batch of a new size
+        class first adds that class's frontier. Raises ``PlanError`` naming the
+        smallest budget that would fit when none does."""
+        size = input if isinstance(input, int) else input_size(input)
+        limit = parse_budget(budget)
+        model = self._model(size)
+        if _size_class(size) not in self._classes:
+            self._add_plans(size, model)
+        best: tuple[float, int, Plan] | None = None
+        for plan in self.plans:
+            need, seconds = model.total(plan.items)
+            if need <= limit and (best is None or seconds < best[0]):
+                best = (seconds, need, plan)
+        if best is None:
+            floor = self._floor(size, model)
+            if floor <= limit:  # between the stored plans' steps: solve exactly
+                found = fastest_plan(self.profile_at(size), limit, self.slots)
+                self.plans.append(Plan(found.items))
+                return found
+            raise PlanError(
+                f"seqckpt: memory_budget={limit} bytes ({format_bytes(limit)}) is "
+                f"below the smallest peak any plan reaches for an input of {size} "
+                f"elements, {floor} bytes ({format_bytes(floor)}); give at least "
+                "that, or a smaller batch."
+            )
+        seconds, need, plan = best
+        return Plan(plan.items, need, seconds)
+
+    def _add_plans(self, size: int, model: CostModel) -> None:
+        n = len(model)
+        top = model.total((Run(0, n),))[0]
+        if n > EXACT_LAYERS:  # long chains: a few budgets on groups of layers
+            profile = self.profile_at(size)
+            plans = []
+            for eighths in range(2, 9):
+                try:
+                    plans.append(fastest_plan(profile, int(top * eighths / 8)))
+                except PlanError:
+                    continue
+        else:
+            plans = frontier_plans(model, top, self.slots)
+        self.solves += 1
+        plans.append(Plan((Run(0, n),)))  # the slots' rounding may leave it out
+        known = {p.items for p in self.plans}
+        for p in plans:
+            if p.items not in known:
+                known.add(p.items)
+                self.plans.append(Plan(p.items))
+        self._classes.add(_size_class(size))
+
+    def _floor(self, size: int, model: CostModel) -> int:
+        floor, plan = smallest_peak(self.profile_at(size))
+        if plan.items not in {p.items for p in self.plans}:
+            self.plans.append(Plan(plan.items))
+        return floor
+
+    # ------------------------------------------------------------------- JSON
+
+    def to_json(self) -> str:
+        """The frontier as JSON: its profiles and stored plans."""
+        return json.dumps(
+            {
+                "format": "seqckpt.frontier/1",
+                "slots": self.slots,
+                "tolerance": self.tolerance,
+                "points": [[x, p.to_dict()] for x, p in self.points],
+                "plans": [p.to_dict() for p in self.plans],
+            },
+            indent=1,
+        )
+
+    @staticmethod
+    def from_json(text: str) -> Frontier:
+        """Read a frontier written by :meth:`to_json`."""
+        try:
+            data = json.loads(text)
+            if data.get("format") != "seqckpt.frontier/1":
+                raise PlanError(
+                    f"seqckpt: frontier JSON has format {data.get('format')!r}, "
+                    "expected 'seqckpt.frontier/1'."
+                )
+            points = [(int(x), ChainProfile.from_dict(p)) for x, p in data["points"]]
+            plans = [Plan.from_json(json.dumps(p)) for p in data["plans"]]
+            return Frontier(
+                points,
+                slots=int(data["slots"]),
+                tolerance=float(data["tolerance"]),
+                plans=plans,
+            )
+        except PlanError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise PlanError(f"seqckpt: malformed frontier JSON: {error}") from error
+
+
+BudgetSource = int | str | Callable[[], int]
+
+
+def budget_now(budget: BudgetSource) -> int:
+    """The budget in bytes now: a callable is called (per step)."""
+    if callable(budget):
+        value = budget()
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                "seqckpt: a callable memory_budget must return bytes as an int, "
+                f"got {value!r}."
+            )
+        return parse_budget(value)
+    return parse_budget(budget)

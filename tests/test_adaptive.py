@@ -1,0 +1,127 @@
+"""Plans that follow the input: predictions across sizes, the frontier's plans,
+re-profiling on drift, callable budgets, errors before running, JSON."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import seqckpt
+from seqckpt.executor import run_plan
+from seqckpt.planner import PlanError
+from seqckpt.planner.adaptive import Frontier, input_size
+from seqckpt.planner.frontier import measure_peak
+from seqckpt.planner.planning import AUTO_STATS
+from tests.oracle import assert_matches_plain
+
+
+def token_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.LayerNorm(32), nn.Linear(32, 96), nn.GELU(), nn.Linear(96, 32)
+            )
+            for _ in range(6)
+        ]
+    )
+
+
+def tokens(length: int) -> torch.Tensor:
+    return torch.randn(4, length, 32, requires_grad=True)
+
+
+@pytest.fixture(scope="module")
+def frontier() -> Frontier:
+    model = token_chain()
+    f = seqckpt.plan(model, tokens(64), frontier=True, policies=[None])
+    f.add_profile(input_size(tokens(16)), seqckpt.profile(model, tokens(16), repeats=2))
+    return f
+
+
+def test_bytes_are_predicted_across_sizes(frontier: Frontier) -> None:
+    model = token_chain()
+    measured = seqckpt.profile(model, tokens(40), repeats=1)
+    predicted = frontier.profile_at(input_size(tokens(40)))
+    for got, want in zip(predicted.layers, measured.layers, strict=True):
+        for field in ("saved_bytes", "output_bytes", "forward_peak_bytes"):
+            assert abs(getattr(got, field) - getattr(want, field)) <= 0.10 * getattr(
+                want, field
+            ), field
+
+
+def test_each_size_gets_a_plan_that_fits_without_profiling(frontier: Frontier) -> None:
+    model = token_chain()
+    budget = frontier.plan_for(tokens(64), 10**9).predicted_peak_bytes // 2  # type: ignore[operator]
+    checkpoints = {}
+    for length in (8, 24, 48, 64, 80):
+        x = tokens(length)
+        plan = frontier.plan_for(x, budget)
+        assert plan.predicted_peak_bytes <= budget  # type: ignore[operator]
+        peak = measure_peak(model, x, lambda m, t: run_plan(plan, list(m), t), "cpu")
+        assert peak <= 1.05 * budget, (length, peak, budget)
+        checkpoints[length] = plan.checkpoints()
+    assert checkpoints[8] == 0  # a short batch keeps everything
+    assert checkpoints[80] > 0
+    assert len(frontier.points) == 2  # no profile beyond the two
+
+
+def test_a_second_size_is_profiled_once_then_only_on_drift() -> None:
+    model = token_chain()
+    f = seqckpt.plan(model, tokens(64), frontier=True, policies=[None])
+    size = input_size(tokens(64))
+    assert not f.needs_profile(size) and not f.needs_profile(int(size * 1.2))
+    assert f.needs_profile(size // 2)
+    f.add_profile(size // 2, seqckpt.profile(model, tokens(32), repeats=1))
+    assert not f.needs_profile(size // 8)
+    plan = f.plan_for(size, 10**9)
+    assert not f.observe(tokens(64), plan.predicted_peak_bytes, plan)  # type: ignore[arg-type]
+    assert f.observe(tokens(64), 2 * plan.predicted_peak_bytes, plan)  # type: ignore[operator]
+    assert f.needs_profile(size)
+
+
+def test_an_impossible_budget_raises_before_anything_runs() -> None:
+    model = token_chain()
+    seqckpt.checkpoint_sequential(model, "auto", tokens(64), memory_budget=10**9)
+    calls: list[int] = []  # profiled above; from here on nothing may run
+    model[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+    with pytest.raises(PlanError, match=r"input of 8192 elements, \d+ bytes") as info:
+        seqckpt.checkpoint_sequential(model, "auto", tokens(64), memory_budget=1000)
+    assert "give at least that" in str(info.value)
+    assert calls == []
+
+
+def test_frontier_json_round_trip(frontier: Frontier) -> None:
+    again = Frontier.from_json(frontier.to_json())
+    assert [x for x, _ in again.points] == [x for x, _ in frontier.points]
+    size = input_size(tokens(48))
+    assert again.plan_for(size, 900_000).items == frontier.plan_for(size, 900_000).items
+    with pytest.raises(PlanError, match="format"):
+        Frontier.from_json('{"format": "other"}')
+
+
+def test_auto_follows_the_input_and_takes_a_callable_budget() -> None:
+    model = token_chain()
+    asked = []
+
+    def budget() -> int:
+        asked.append(1)
+        return 1_200_000  # 64 tokens need checkpoints, 24 or fewer do not
+
+    wrapped = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget=budget
+    )
+    before = AUTO_STATS.profiles
+    for length in (64, 16, 40, 8, 72, 24):
+        wrapped(tokens(length)).sum().backward()
+    assert AUTO_STATS.profiles - before <= 2  # the first size and one more
+    assert len(asked) == 6  # evaluated at every step
+    for length in (12, 56):
+        assert_matches_plain(
+            model,
+            tokens(length),
+            lambda m, t: seqckpt.checkpoint_sequential(
+                m, "auto", t, memory_budget=budget
+            ),
+        )
