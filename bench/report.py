@@ -178,7 +178,51 @@ def best_k_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def shapes_table(rows: list[dict[str, Any]]) -> str:
+    """The stream of varying shapes (bench/test_shapes.py)."""
+    info = rows[0]["extra_info"]
+    budget = info["budget_bytes"]
+    names = ("adaptive", "one_plan", "torch_every_block", "replan_per_shape")
+    adaptive = info["total_adaptive"]
+    lines = [
+        f"{info['batches']} batches, {info['distinct_lengths']} distinct lengths, "
+        f"budget {_mib(budget)} MiB; the adaptive frontier profiled "
+        f"{info['profiles_adaptive']} time(s).",
+        "",
+        "| variant | total s | x adaptive | planning + profiling s | share of total "
+        "| largest peak MiB | peak / budget |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in names:
+        total, planning = info[f"total_{name}"], info[f"planning_{name}"]
+        peak = info[f"peak_{name}"]
+        lines.append(
+            f"| {name} | {total:.2f} | {total / adaptive:.2f} | {planning:.3f} | "
+            f"{100 * planning / total:.1f}% | {_mib(peak)} | {peak / budget:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def solver_groups_table(rows: list[dict[str, Any]]) -> str:
+    """Planning on groups of layers against the exact DP (test_solver_speed)."""
+    lines = [
+        "| chain and budget | exact plan: predicted step s | on 100 groups: "
+        "predicted step s | loss | solve on groups ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        info = row["extra_info"]
+        lines.append(
+            f"| {info['variant']} | {info['exact_seconds']:.4f} | "
+            f"{info['grouped_seconds']:.4f} | {100 * info['loss']:+.2f}% | "
+            f"{row['stats']['median'] * 1e3:.0f} |"
+        )
+    return "\n".join(lines)
+
+
 SPECIAL_TABLES = {
+    "solver-groups": solver_groups_table,
+    "shapes-gpt": shapes_table,
     "selective-plan-at-torch-gpt": plan_at_torch_table,
     "selective-resnet-best-k": best_k_table,
 }

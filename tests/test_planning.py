@@ -45,7 +45,7 @@ def test_plan_reports_predictions_and_fits_the_budget(resnet) -> None:  # type: 
     assert "predicted peak" in text and "recompute" in text and "keep" in text
 
 
-def test_measured_peak_is_within_15_percent_of_the_prediction(resnet) -> None:  # type: ignore[no-untyped-def]
+def test_measured_peak_is_within_5_percent_of_the_prediction(resnet) -> None:  # type: ignore[no-untyped-def]
     model, x, prof = resnet
     top = seqckpt.plan(model, x, None, profile=prof).predicted_peak_bytes
     for share in (1.0, 0.7, 0.5, 0.4):
@@ -55,8 +55,9 @@ def test_measured_peak_is_within_15_percent_of_the_prediction(resnet) -> None:  
         except PlanError:
             continue
         peak = measured_peak(model, x, plan)
-        assert abs(peak - plan.predicted_peak_bytes) <= 0.15 * plan.predicted_peak_bytes
-        assert peak <= 1.15 * budget
+        # the model errs on the safe side: hardly ever above, never far below
+        assert abs(peak - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+        assert peak <= 1.01 * budget
 
 
 def test_planned_run_is_bitwise_the_plain_run(resnet) -> None:  # type: ignore[no-untyped-def]
@@ -282,7 +283,7 @@ def test_auto_budget_on_cuda_leaves_room_for_gradients_and_optimizer_state() -> 
 
 def test_plans_with_policies_predict_their_peak() -> None:
     """On the GPT-style chain, profiled with compute_heavy as a candidate: the
-    measured peak of each plan is within 15% of its prediction (whether the
+    measured peak of each plan is within 5% of its prediction (whether the
     policy is chosen depends on measured times; test_solver.py tests the
     choice itself), and plans with policies round-trip through JSON."""
     from seqckpt.executor import run_plan
@@ -296,7 +297,8 @@ def test_plans_with_policies_predict_their_peak() -> None:
     for share in (0.8, 0.6, 0.4):
         plan = seqckpt.plan(model, x, int(top * share), profile=prof)
         peak = measure_peak(model, x, lambda m, t: run_plan(plan, list(m), t), "cpu")
-        assert abs(peak - plan.predicted_peak_bytes) <= 0.15 * plan.predicted_peak_bytes
+        assert abs(peak - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+        assert peak <= 1.01 * plan.predicted_peak_bytes  # type: ignore[operator]
         assert plan == Plan.from_json(plan.to_json())
     no_policy = seqckpt.plan(model, x, int(top * 0.6), profile=prof, policies=[None])
     assert all(i.policy is None for i in no_policy.items if isinstance(i, Recompute))

@@ -61,6 +61,10 @@ def test_sizes_follow_the_tensors() -> None:
     # Linear saves its input (not new) and returns a new output; tanh saves its
     # output, which is also what it returns.
     assert [p.saved_bytes for p in prof.layers] == [act, act, act]
+    # Each forward allocates only its output (the zero gradients the sandbox
+    # gives parameters are made in the warm-up, not charged to the item).
+    assert [p.nograd_peak_bytes for p in prof.layers] == [act, act, act]
+    assert [p.forward_peak_bytes for p in prof.layers] == [act, act, act]
     for p in prof.layers:
         assert p.forward_peak_bytes >= p.saved_bytes
         assert p.nograd_peak_bytes >= p.output_bytes

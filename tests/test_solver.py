@@ -90,9 +90,9 @@ def test_equal_layers_at_one_extra_forward_need_about_sqrt_2n() -> None:
         for k in range(1, n + 1)
         if model.total(uniform_plan(n, k).items)[1] <= one_extra_forward
     )
-    # The model adds a few constant units: the output gradient and the
-    # backward's temporaries.
-    assert math.sqrt(2 * n) <= units <= math.sqrt(2 * n) + 3
+    # The model adds a few constant units: the output gradient, the chain's
+    # output (held until backward ends) and the backward's temporaries.
+    assert math.sqrt(2 * n) <= units <= math.sqrt(2 * n) + 4
     assert units < uniform_units
     assert uniform_units >= 2 * math.sqrt(n)
 

@@ -1,10 +1,11 @@
 """Plans and the planner: the tree of kept and recomputed layers, its builders,
 the profiler, the cost model and the solver."""
 
+from seqckpt.planner.adaptive import Frontier
 from seqckpt.planner.budget import parse_budget
 from seqckpt.planner.cost import plan_cost
 from seqckpt.planner.planning import plan
-from seqckpt.planner.profile import ChainProfile, LayerProfile, profile
+from seqckpt.planner.profile import ChainProfile, LayerProfile, PolicyCost, profile
 from seqckpt.planner.tree import (
     Plan,
     PlanError,
@@ -17,9 +18,11 @@ from seqckpt.planner.tree import (
 
 __all__ = [
     "ChainProfile",
+    "Frontier",
     "LayerProfile",
     "Plan",
     "PlanError",
+    "PolicyCost",
     "Recompute",
     "Run",
     "balanced_sizes",

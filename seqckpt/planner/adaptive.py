@@ -11,8 +11,10 @@ longest shape recomputes far more than short batches need. A
   elements of the chain's input, and its times close to linearly above a
   floor. The frontier profiles the chain at the first shape it sees and at the
   first one that differs by half or more, fits each figure as a line through
-  the two (proportional to the size while there is one), and predicts every
-  other shape's profile.
+  the two profiled sizes nearest (proportional to the size while there is
+  one), and predicts every other shape's profile. A size more than twice the
+  largest profiled is profiled too: extrapolating a line upwards would miss
+  what grows faster than linearly (an attention matrix).
 - **Plans.** One solve gives the fastest plan for every budget up to the
   keep-everything peak (the solver's table holds all of them); those plans are
   stored. For a batch, the fastest stored plan whose predicted peak at that
@@ -22,8 +24,10 @@ longest shape recomputes far more than short batches need. A
 - **Checks.** :meth:`Frontier.observe` takes a measured peak; when it is more
   than ``tolerance`` (10%) away from the prediction, the next batch of that
   size is profiled again and the fit uses it.
-- **Never over budget.** When no plan's predicted peak fits, ``PlanError``
-  names the smallest budget that would, before anything runs.
+- **Never over budget.** Plans are chosen with a predicted peak within
+  ``1 - HEADROOM`` (99%) of the budget, a margin for the predictions' error
+  (measured at well under 1% on the GPT-style chain). When none fits,
+  ``PlanError`` names the smallest budget that would, before anything runs.
 
 Example:
     >>> import torch, seqckpt
@@ -74,6 +78,8 @@ _TIMES = ("forward_time", "backward_time")
 # A time predicted for a smaller size never drops below this share of the
 # smallest measured one (launch and Python overheads do not shrink).
 _TIME_FLOOR = 0.25
+# Share of the budget kept free of predicted bytes, for prediction error.
+HEADROOM = 0.01
 
 
 def input_size(input: Any) -> int:
@@ -188,14 +194,18 @@ class Frontier:
 
     def needs_profile(self, size: int) -> bool:
         """Whether a batch of ``size`` elements should be profiled: while only
-        one size is profiled, the first that differs by a factor of 1.5; and a
-        size whose measured peak drifted from its prediction."""
+        one size is profiled, the first that differs by a factor of 1.5; a size
+        more than twice the largest profiled (extrapolating up a line would
+        miss what grows faster, such as an attention matrix); and a size whose
+        measured peak drifted from its prediction. Sizes between and below the
+        profiled ones are predicted (the line between two points lies above a
+        convex growth, so predictions err on the safe side there)."""
         if _size_class(size) in self._stale:
             return True
-        if len(self.points) == 1:
-            first = self.points[0][0]
-            return max(size, first) >= 1.5 * min(size, first)
-        return False
+        sizes = [x for x, _ in self.points]
+        if len(sizes) == 1:
+            return max(size, sizes[0]) >= 1.5 * min(size, sizes[0])
+        return size > 2 * max(sizes)
 
     def add_profile(self, size: int, profile: ChainProfile) -> None:
         """Use a profile measured at ``size`` for the predictions."""
@@ -228,7 +238,8 @@ class Frontier:
         class first adds that class's frontier. Raises ``PlanError`` naming the
         smallest budget that would fit when none does."""
         size = input if isinstance(input, int) else input_size(input)
-        limit = parse_budget(budget)
+        given = parse_budget(budget)
+        limit = int(given * (1 - HEADROOM))
         model = self._model(size)
         if _size_class(size) not in self._classes:
             self._add_plans(size, model)
@@ -243,11 +254,13 @@ class Frontier:
                 found = fastest_plan(self.profile_at(size), limit, self.slots)
                 self.plans.append(Plan(found.items))
                 return found
+            needed = math.ceil(floor / (1 - HEADROOM))
             raise PlanError(
-                f"seqckpt: memory_budget={limit} bytes ({format_bytes(limit)}) is "
-                f"below the smallest peak any plan reaches for an input of {size} "
-                f"elements, {floor} bytes ({format_bytes(floor)}); give at least "
-                "that, or a smaller batch."
+                f"seqckpt: memory_budget={given} bytes ({format_bytes(given)}) is "
+                f"below what the smallest plan for an input of {size} elements "
+                f"needs: {needed} bytes ({format_bytes(needed)}, its predicted "
+                f"peak plus {HEADROOM:.0%} headroom); give at least that, or a "
+                "smaller batch."
             )
         seconds, need, plan = best
         return Plan(plan.items, need, seconds)

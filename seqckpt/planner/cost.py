@@ -5,7 +5,9 @@ Memory counts what the step allocates beyond the parameters, their gradients and
 the input batch: activations kept for backward, activation gradients and
 temporaries. A sub-chain ``i..l`` is always run with its input stored by the
 caller and the gradient of its output (``a[l+1]`` bytes) counted as live (for
-the whole chain's output, see :meth:`CostModel.output_grad`).
+the whole chain's output, see :meth:`CostModel.output_grad`). The chain's
+output itself stays alive until backward ends (whoever called the chain holds
+it), so every backward and every recompute runs with it.
 
 - keep layer ``i``, then the rest: the forward of ``i`` (gradient of the output
   live), the rest with layer ``i``'s saved bytes and output held, the backward
@@ -64,6 +66,7 @@ class CostModel:
     @staticmethod
     def of(profile: ChainProfile) -> CostModel:
         layers = profile.layers
+        out = layers[-1].output_bytes
         unsafe = [False] * (len(layers) + 1)
         for k in reversed(range(len(layers))):
             p = layers[k]
@@ -71,7 +74,10 @@ class CostModel:
         return CostModel(
             a=[layers[0].input_bytes] + [p.output_bytes for p in layers],
             kept=[p.saved_bytes for p in layers],
-            held=[p.held_bytes for p in layers],
+            # The chain's output lives until backward ends (the caller holds
+            # it, or the next layer saved it): every backward runs with it.
+            # The last layer's backward holds it once, saved or not.
+            held=[p.held_bytes + out for p in layers[:-1]] + [layers[-1].saved_bytes],
             forward_peak=[p.forward_peak_bytes for p in layers],
             nograd_peak=[p.nograd_peak_bytes for p in layers],
             backward_peak=[p.backward_peak_bytes for p in layers],
@@ -106,11 +112,13 @@ class CostModel:
         return len(self.kept)
 
     def output_grad(self, last: int) -> int:
-        """Bytes of the gradient of layer ``last``'s output that are live while the
-        sub-chain ending there runs. For the chain's own output it is 0: the loss
+        """Bytes live while a sub-chain ending at layer ``last`` runs beyond what
+        it makes: the gradient of its output and, as it runs in the backward
+        phase, the chain's output. For the whole chain's end it is 0: the loss
         makes that gradient when backward starts, and the last layer's backward
         peak (measured with such a gradient made inside backward) counts it."""
-        return self.a[last + 1] if last + 1 < len(self) else 0
+        n = len(self)
+        return self.a[last + 1] + self.a[n] if last + 1 < n else 0
 
     def total(self, items: tuple[Item, ...]) -> tuple[int, float]:
         """(peak bytes, seconds) of a whole-chain plan's items."""
@@ -142,7 +150,9 @@ class CostModel:
         seconds = 0.0
         for item in reversed(items):
             if isinstance(item, Recompute):
-                inner_need, inner_time = self.cost(item.inner.items, self.a[item.stop])
+                inner_need, inner_time = self.cost(
+                    item.inner.items, self.output_grad(item.stop - 1)
+                )
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
                 kept = 0
                 if item.policy is not None:

@@ -147,6 +147,10 @@ _FRONTIERS: dict[tuple[Any, ...], Frontier] = {}
 # The plan chosen for the last (input size, budget) pairs.
 _AUTO_CACHE: OrderedDict[tuple[int, int], tuple[Frontier, Plan]] = OrderedDict()
 _AUTO_CACHE_SIZE = 64
+# Timed runs per item in the profiles segments="auto" takes on the training
+# stream: one (the lines fitted through two or three profiled sizes smooth a
+# single run's noise, and every extra run costs about a training step).
+AUTO_REPEATS = 1
 # Leave this share of the free CUDA memory unplanned (fragmentation, the loss).
 CUDA_FREE_SHARE = 0.9
 # Optimizer state per parameter byte kept free when planning for free memory
@@ -281,7 +285,7 @@ def _timed_profile(
 ) -> ChainProfile:
     began = time.perf_counter()
     try:
-        return profile_chain(chain, input, policies=policies)
+        return profile_chain(chain, input, repeats=AUTO_REPEATS, policies=policies)
     finally:
         AUTO_STATS.profiles += 1
         AUTO_STATS.profile_seconds += time.perf_counter() - began

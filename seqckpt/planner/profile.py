@@ -317,9 +317,15 @@ def _profile_item(
     policies: Sequence[Policy],
 ) -> tuple[LayerProfile, Any]:
     # Warm up outside the measurements: the sandbox meets the modules the item
-    # calls, and first cuBLAS / cuDNN calls allocate their workspaces.
-    backward_with_loss_grad(item(_fresh(x)))
-    _clear_input_grads(x)
+    # calls (and gives their parameters zero gradients), and on CUDA the first
+    # cuBLAS / cuDNN calls allocate workspaces, forward and backward. On the
+    # CPU nothing else persists between calls, so a forward without grad does.
+    if device.type == "cuda":
+        backward_with_loss_grad(item(_fresh(x)))
+        _clear_input_grads(x)
+    else:
+        with torch.no_grad():
+            item(_fresh(x))
     inputs = _fresh(x)
     with torch.no_grad(), track_memory(device) as nograd:
         item(inputs)
@@ -345,12 +351,11 @@ def _profile_item(
     _clear_input_grads(x)
 
     forwards, backwards = Stopwatch(device), Stopwatch(device)
-    for _ in range(repeats + 1):  # the first round warms up and is dropped
+    for _ in range(repeats):
         out = forwards.run(partial(item, _fresh(x)))
         backwards.run(partial(backward_with_loss_grad, out))
         _clear_input_grads(x)
-    forward_times, backward_times = forwards.seconds(), backwards.seconds()
-    forward_time = statistics.median(forward_times[1:])
+    forward_time = statistics.median(forwards.seconds())
     costs = tuple(
         # An item that writes into its input cannot be a region by itself; it
         # is charged as recomputed in full, keeping nothing.
@@ -369,7 +374,7 @@ def _profile_item(
     layer = LayerProfile(
         name=name,
         forward_time=forward_time,
-        backward_time=statistics.median(backward_times[1:]),
+        backward_time=statistics.median(backwards.seconds()),
         input_bytes=_nbytes(x),
         output_bytes=output_bytes,
         saved_bytes=saved,
@@ -396,19 +401,19 @@ def _policy_cost(
     its checkpointed forward, less its output) and the median seconds of its
     recompute alone (run to its end, as inside a longer stretch)."""
     options = Options(early_stop=False, policy=policy)
-    inputs = _fresh(x)
-    with track_memory(device) as mem:
-        region = _Region(item, (inputs,), {}, options, None)
-        out = region.run()
-        kept = max(0, mem.live_bytes() - output_bytes)
-        del out, region
     watch = Stopwatch(device)
-    for _ in range(repeats + 1):  # the first round warms up and is dropped
+    with track_memory(device) as mem:
         region = _Region(item, (_fresh(x),), {}, options, None)
         out = region.run()
-        watch.run(region._recompute)
-        del out, region
-    return PolicyCost(policy, kept, statistics.median(watch.seconds()[1:]))
+        kept = max(0, mem.live_bytes() - output_bytes)
+    for round in range(repeats):
+        if round:
+            del out, region
+            region = _Region(item, (_fresh(x),), {}, options, None)
+            out = region.run()
+        watch.run(region._recompute)  # timed outside the tracker
+    del out, region
+    return PolicyCost(policy, kept, statistics.median(watch.seconds()))
 
 
 def _candidates(policies: Sequence[Any]) -> list[Policy]:
@@ -434,11 +439,12 @@ def profile(
     policies: Sequence[Any] = (),
 ) -> ChainProfile:
     """Measure each item of a chain: forward and backward time (medians of
-    ``repeats`` runs after one warm-up; on CUDA timed with events, so small
-    items are not charged launch latency), input and output bytes, the bytes
-    autograd keeps, and the transient peaks of forward and backward (measured
-    after a warm-up forward and backward of the item, so workspaces that the
-    first cuBLAS or cuDNN call allocates are not charged to it).
+    ``repeats`` runs, after the runs that measure memory; on CUDA timed with
+    events, so small items are not charged launch latency), input and output
+    bytes, the bytes autograd keeps, and the transient peaks of forward and
+    backward (measured after a warm-up, on CUDA a forward and backward of the
+    item, so workspaces that the first cuBLAS or cuDNN call allocates are not
+    charged to it).
 
     Each item runs on a detached copy of the previous item's output, so items are
     measured one at a time. The chain is sandboxed: its parameters, buffers (e.g.

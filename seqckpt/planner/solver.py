@@ -137,7 +137,8 @@ class _Tables:
         self.K = [prefix(k) for k in model.kept_by]
         # nograd[i, j]: bytes of running i..j-1 keeping nothing (input of i not
         # counted); flat[i, j]: bytes of keeping every layer of i..j-1 with the
-        # gradient of x_j live (the recompute of a stretch under a policy).
+        # gradient of x_j live (the recompute of a stretch under a policy, run
+        # in the backward phase).
         # Built in Python lists, then one tensor each (element writes into a
         # tensor cost microseconds each).
         nograd = [[0.0] * (n + 1) for _ in range(n)]
@@ -149,7 +150,7 @@ class _Tables:
         for j in range(1, n + 1):
             need = 0
             for i in reversed(range(j)):
-                alone = model.keep_alone(i, model.a[j])
+                alone = model.keep_alone(i, model.output_grad(j - 1))
                 need = alone if i == j - 1 else max(alone, model.kept[i] + need)
                 flat[i][j] = need
         self.nograd = torch.tensor(nograd, dtype=f64)
