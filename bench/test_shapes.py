@@ -130,4 +130,4 @@ def test_shape_stream(benchmark) -> None:  # type: ignore[no-untyped-def]
         **{f"planning_{names[k]}": v for k, v in planning.items()},
         **{f"peak_{names[k]}": v for k, v in peaks.items()},
     )
-    assert peaks["a"] <= 1.05 * budget
+    assert peaks["a"] <= budget  # never over budget

@@ -46,7 +46,7 @@ def test_bytes_are_predicted_across_sizes(frontier: Frontier) -> None:
     predicted = frontier.profile_at(input_size(tokens(40)))
     for got, want in zip(predicted.layers, measured.layers, strict=True):
         for field in ("saved_bytes", "output_bytes", "forward_peak_bytes"):
-            assert abs(getattr(got, field) - getattr(want, field)) <= 0.10 * getattr(
+            assert abs(getattr(got, field) - getattr(want, field)) <= 0.02 * getattr(
                 want, field
             ), field
 
@@ -60,7 +60,7 @@ def test_each_size_gets_a_plan_that_fits_without_profiling(frontier: Frontier) -
         plan = frontier.plan_for(x, budget)
         assert plan.predicted_peak_bytes <= budget  # type: ignore[operator]
         peak = measure_peak(model, x, lambda m, t: run_plan(plan, list(m), t), "cpu")
-        assert peak <= 1.05 * budget, (length, peak, budget)
+        assert peak <= budget, (length, peak, budget)  # never over budget
         checkpoints[length] = plan.checkpoints()
     assert checkpoints[8] == 0  # a short batch keeps everything
     assert checkpoints[80] > 0
