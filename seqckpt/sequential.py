@@ -22,7 +22,7 @@ from seqckpt.checkpoint import ContextFn, DeterminismCheck, make_options
 from seqckpt.executor import resolve_plan, run_plan
 from seqckpt.planner.adaptive import BudgetSource
 from seqckpt.planner.budget import parse_budget
-from seqckpt.planner.planning import auto_plan
+from seqckpt.planner.planning import auto_plan, run_checked
 from seqckpt.planner.tree import Plan, default_segments
 from seqckpt.policies import Policy, as_policy
 
@@ -143,6 +143,10 @@ def checkpoint_sequential(
             input = module(input)
         return input
     plan = plan_for(segments, chain, input, memory_budget, chosen)
+    if segments == "auto":
+        return run_checked(
+            chain, input, plan, lambda: run_plan(plan, chain, input, options)
+        )
     return run_plan(plan, chain, input, options)
 
 
@@ -248,6 +252,11 @@ class CheckpointedSequential(nn.Sequential):
                     stacklevel=2,
                 )
         plan = plan_for(segments, chain, input, self.memory_budget, self.policy)
+        if segments == "auto":
+            options = self.options
+            return run_checked(
+                chain, input, plan, lambda: run_plan(plan, chain, input, options)
+            )
         return run_plan(plan, chain, input, self.options)
 
     def extra_repr(self) -> str:

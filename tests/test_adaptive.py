@@ -128,3 +128,70 @@ def test_auto_follows_the_input_and_takes_a_callable_budget() -> None:
                 m, "auto", t, memory_budget=budget
             ),
         )
+
+
+class _BigBackward(torch.autograd.Function):
+    """Identity whose backward briefly allocates ``extra`` bytes: memory the
+    cost model does not know of."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, extra: int) -> torch.Tensor:  # type: ignore[no-untyped-def, override]
+        ctx.extra = extra
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def, override]
+        torch.empty(ctx.extra, dtype=torch.uint8).fill_(0)
+        return grad, None
+
+
+def test_auto_checks_the_first_step_of_each_size_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On CUDA the check reads the allocator; here the CPU tracker stands in.
+    from seqckpt.planner import planning
+    from seqckpt.planner.profile import backward_with_loss_grad
+
+    monkeypatch.setattr(planning, "AUTO_CHECK_DEVICES", ("cpu",))
+    model = token_chain()
+    budget = 1_200_000
+
+    def step(length: int, extra: int = 0) -> None:
+        out = seqckpt.checkpoint_sequential(
+            model, "auto", tokens(length), memory_budget=budget
+        )
+        backward_with_loss_grad(_BigBackward.apply(out, extra) if extra else out)
+
+    checks, drifts, profiles = AUTO_STATS.checks, AUTO_STATS.drifts, AUTO_STATS.profiles
+    step(64)
+    step(64)  # the same size class: not measured again
+    assert (AUTO_STATS.checks - checks, AUTO_STATS.drifts - drifts) == (1, 0)
+    # (the CPU tracker, a thread-local mode, is closed by the next step)
+    seqckpt.checkpoint_sequential(model, "auto", tokens(16), memory_budget=budget)
+    step(20)  # a step without backward (above) is dropped, not misread
+    assert AUTO_STATS.checks - checks == 1
+    step(140, extra=10**7)  # a new class whose peak is far from the prediction
+    assert (AUTO_STATS.checks - checks, AUTO_STATS.drifts - drifts) == (2, 1)
+    profiled = AUTO_STATS.profiles
+    step(140)  # so the next batch of that class is profiled again
+    assert AUTO_STATS.profiles == profiled + 1
+    assert profiled - profiles <= 3  # 64, one more size, and beyond twice
+    step(8)  # a new size class, measured: its CPU tracker stays open until
+    assert torch._C._len_torch_dispatch_stack() == 1  # the next step
+    seqckpt.checkpoint_sequential(model, "auto", tokens(8), memory_budget=budget)
+    assert torch._C._len_torch_dispatch_stack() == 0  # nothing left open
+
+
+@pytest.mark.cuda
+def test_auto_checks_on_cuda_with_the_allocator_and_closes_at_once() -> None:
+    from seqckpt.planner.planning import _PeakCheck
+    from seqckpt.planner.profile import backward_with_loss_grad
+
+    model = token_chain().cuda()
+    checks = AUTO_STATS.checks
+    for _ in range(2):
+        x = tokens(64).cuda()
+        out = seqckpt.checkpoint_sequential(model, "auto", x, memory_budget=10**7)
+        backward_with_loss_grad(out)
+        assert _PeakCheck.current is None  # closed at the end of the backward
+    assert AUTO_STATS.checks == checks + 1

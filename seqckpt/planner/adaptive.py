@@ -23,7 +23,9 @@ longest shape recomputes far more than short batches need. A
   that class's own frontier from its predicted profile.
 - **Checks.** :meth:`Frontier.observe` takes a measured peak; when it is more
   than ``tolerance`` (10%) away from the prediction, the next batch of that
-  size is profiled again and the fit uses it.
+  size is profiled again and the fit uses it. ``segments="auto"`` on CUDA
+  measures the first step of each size class itself (allocator counters, from
+  the chain's forward to the end of that backward) and calls it.
 - **Never over budget.** Plans are chosen with a predicted peak within
   ``1 - HEADROOM`` (99%) of the budget, a margin for the predictions' error
   (measured at well under 1% on the GPT-style chain). When none fits,
@@ -166,6 +168,7 @@ class Frontier:
         self._classes: set[int] = set()
         self._models: dict[int, CostModel] = {}
         self._stale: set[int] = set()
+        self._checked: set[int] = set()
         self.solves = 0
 
     def __len__(self) -> int:
@@ -219,11 +222,21 @@ class Frontier:
         self._models.clear()
         self._classes.clear()  # the size classes solve again with the new fit
 
+    def first_of_class(self, size: int) -> bool:
+        """True the first time it is asked about a size class (sizes within a
+        factor of two): ``segments="auto"`` measures that step's peak for
+        :meth:`observe`, once per class."""
+        size_class = _size_class(size)
+        if size_class in self._checked:
+            return False
+        self._checked.add(size_class)
+        return True
+
     def observe(self, input: Any, peak_bytes: int, plan: Plan) -> bool:
         """Compare a step's measured peak with ``plan``'s prediction at this
         input's size; returns True (and marks the size for a profile) when
         they are more than ``tolerance`` apart."""
-        size = input_size(input)
+        size = input if isinstance(input, int) else input_size(input)
         predicted, _ = self._model(size).total(plan.items)
         drifted = abs(peak_bytes - predicted) > self.tolerance * max(1, predicted)
         if drifted:

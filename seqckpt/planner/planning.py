@@ -6,14 +6,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from typing import Any, TypeVar
 
 import torch
 
 from seqckpt._buffers import modules_of
 from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
+from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner.adaptive import BudgetSource, Frontier, budget_now, input_size
 from seqckpt.planner.budget import format_bytes, parse_budget
 from seqckpt.planner.profile import ChainProfile, _candidates
@@ -27,6 +29,7 @@ __all__ = [
     "auto_frontier",
     "auto_plan",
     "available_bytes",
+    "run_checked",
     "plan",
     "with_policies",
 ]
@@ -267,6 +270,8 @@ class AutoStats:
     profile_seconds: float = 0.0
     plan_seconds: float = 0.0
     steps: int = 0
+    checks: int = 0  # steps measured against the prediction
+    drifts: int = 0  # of those, beyond the frontier's tolerance
 
 
 AUTO_STATS = AutoStats()
@@ -355,3 +360,90 @@ def auto_plan(
     finally:
         AUTO_STATS.steps += 1
         AUTO_STATS.plan_seconds += time.perf_counter() - began
+
+
+# Devices on which segments="auto" measures the first step of each size class
+# and checks the frontier's prediction with it (Frontier.observe). On CUDA the
+# allocator's counters make that nearly free; on the CPU the live-tensor
+# tracker would slow that step down several times, so there the check is left
+# to the tests and to users (Frontier.observe with seqckpt.track_memory).
+AUTO_CHECK_DEVICES: tuple[str, ...] = ("cuda",)
+T = TypeVar("T")
+
+
+class _PeakCheck:
+    """One step measured for the frontier: from the chain's forward to the end
+    of the backward that follows (the whole backward; what the rest of the
+    model holds meanwhile counts too, so a chain inside a model with large
+    outside activations may see one extra profile per size class)."""
+
+    current: _PeakCheck | None = None  # at most one open, the latest
+
+    def __init__(self, frontier: Frontier, size: int, plan: Plan, device: Any) -> None:
+        self.frontier, self.size, self.plan = frontier, size, plan
+        self.observed = False
+        self.stack = ExitStack()
+        self.stats: MemoryStats = self.stack.enter_context(track_memory(device))
+
+    def close(self) -> None:
+        if _PeakCheck.current is self:
+            _PeakCheck.current = None
+        self.stack.close()
+
+    def observe(self) -> None:
+        """At the end of the backward: compare the peak with the prediction."""
+        self.observed = True
+        AUTO_STATS.checks += 1
+        if self.frontier.observe(self.size, self.stats.peak_so_far(), self.plan):
+            AUTO_STATS.drifts += 1
+        if self.stats.device.type == "cuda":
+            self.close()
+        # The CPU tracker is a thread-local dispatch mode, which the autograd
+        # engine restores after this callback: the next step closes it.
+
+    def end_with_backward(self, out: Any) -> None:
+        """Observe when the backward through ``out`` ends; a step without one
+        is closed, unobserved, by the next step."""
+        roots = [t for t in tensors_in(out) if t.requires_grad]
+        if not roots:
+            self.close()
+            return
+        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+        def started(grad: torch.Tensor) -> None:
+            if _PeakCheck.current is self and not self.observed:
+                engine.queue_callback(self.observe)
+
+        roots[0].register_hook(started)  # type: ignore[no-untyped-call]
+
+
+def run_checked(
+    chain: Sequence[Any], input: Any, plan: Plan, run: Callable[[], T]
+) -> T:
+    """``run()``, the step of a ``segments="auto"`` plan; the first step of each
+    size class on a device in :data:`AUTO_CHECK_DEVICES` is measured and its
+    peak checked against the frontier's prediction (a drift beyond the
+    frontier's tolerance makes the next batch of that size profile again)."""
+    if _PeakCheck.current is not None:  # observed on the CPU, or no backward
+        _PeakCheck.current.close()
+    frontier = _FRONTIERS.get(_frontier_key(chain, input))
+    devices = {t.device for t in tensors_in(input)}
+    device = next(iter(devices), None)
+    size = input_size(input)
+    if (
+        frontier is None
+        or device is None
+        or device.type not in AUTO_CHECK_DEVICES
+        or torch.compiler.is_compiling()
+        or not frontier.first_of_class(size)
+    ):
+        return run()
+    check = _PeakCheck(frontier, size, plan, device)
+    _PeakCheck.current = check
+    try:
+        out = run()
+    except BaseException:
+        check.close()
+        raise
+    check.end_with_backward(out)
+    return out
