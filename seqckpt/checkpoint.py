@@ -29,6 +29,7 @@ regions cheap.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
@@ -410,6 +411,16 @@ def _first_mismatch(
 
 _EMPTY = torch.empty(0)
 
+# Where a region with a policy that is created while another region runs its
+# function registers (the running region's list for this pass, and whether the
+# pass is that region's first forward). A nested region's recompute runs after
+# its parent's; what it keeps in the parent's first forward would be held all
+# that time, so it keeps nothing then, and the parent's recompute, which makes
+# the region again, hands the new one's kept outputs to it.
+_POLICY_CHILDREN: contextvars.ContextVar[tuple[list[_Region], bool] | None] = (
+    contextvars.ContextVar("seqckpt_policy_children", default=None)
+)
+
 
 def _placeholders(obj: Any) -> list[torch.Tensor]:
     return [_EMPTY] * len(tensors_in(obj))
@@ -449,6 +460,8 @@ class _Region:
         "kept",
         "recompute_context",
         "forward_ops",
+        "children",
+        "keep_later",
     )
 
     def __init__(
@@ -468,6 +481,13 @@ class _Region:
         self.recompute_context: AbstractContextManager[Any] | None = None
         self.forward_ops: list[str] | None = None
         self.kept: Kept | None = None
+        self.children: list[_Region] | None = None
+        self.keep_later = False
+        if options.policy is not None:
+            running = _POLICY_CHILDREN.get()
+            if running is not None:
+                running[0].append(self)
+                self.keep_later = running[1]
         inputs = tensors_in(args) if args else []
         if kwargs:
             tensors_in(kwargs, inputs)
@@ -517,7 +537,7 @@ class _Region:
             if options.context_fn is not None:
                 forward_context, self.recompute_context = options.context_fn()
                 extra.enter_context(forward_context)
-            if policy is not None:
+            if policy is not None and not self.keep_later:
                 self.kept = Kept()
                 keeping = extra.enter_context(Keeping(policy, self.kept))
                 if policy.names:
@@ -527,6 +547,8 @@ class _Region:
                 log = extra.enter_context(_OpLog())
         phase = _state.begin(_state.CHECKPOINTING)
         self.in_forward = True
+        children: list[_Region] = []
+        running = _POLICY_CHILDREN.set((children, True))
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
         try:
             if extra is None:
@@ -536,6 +558,8 @@ class _Region:
                     output = self.function(*self.args, **self.kwargs)
         finally:
             torch._C._autograd._pop_saved_tensors_default_hooks()
+            _POLICY_CHILDREN.reset(running)
+            self.children = children or None
             self.in_forward = False
             self.recomputed = None  # tensors recomputed for a backward run inside
             _state.end(_state.CHECKPOINTING, phase)
@@ -661,7 +685,8 @@ class _Region:
             if self.recompute_context is not None:
                 extra.enter_context(self.recompute_context)
             if kept is not None:
-                extra.enter_context(Serving(kept))
+                # a recompute inside the forward leaves the cache to the real one
+                extra.enter_context(Serving(kept, consume=not self.in_forward))
             if options.debug:
                 log = extra.enter_context(_OpLog())
         caller_rng = self.rng.current() if self.rng is not None else None
@@ -674,6 +699,8 @@ class _Region:
             ambient = self.ambient.replay()
             _set_grad_enabled(True)
             torch._C._autograd._push_saved_tensors_default_hooks(pack, _identity)
+            remade: list[_Region] = []
+            running = _POLICY_CHILDREN.set((remade, False))
             try:
                 if extra is None:
                     self.function(*args, **kwargs)
@@ -686,7 +713,15 @@ class _Region:
                 if not stopped:
                     raise
             finally:
+                _POLICY_CHILDREN.reset(running)
                 torch._C._autograd._pop_saved_tensors_default_hooks()
+            if self.children is not None and not self.in_forward:
+                # The nested regions of the forward get what their remade
+                # twins kept (a twin the early stop never reached leaves its
+                # region to recompute in full).
+                for child, twin in zip(self.children, remade):  # noqa: B905
+                    if child.kept is None:
+                        child.kept = twin.kept
         finally:
             _set_grad_enabled(create_graph)
             if ambient is not None:

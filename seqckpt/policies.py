@@ -282,11 +282,15 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
 
 
 class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
-    """Active during a recompute: serves kept outputs instead of running ops."""
+    """Active during a recompute: serves kept outputs instead of running ops.
+    With ``consume`` each output leaves the cache as it is served, so one the
+    recomputed graph does not save is freed when its consumers are done (as
+    in the forward), not held to the end of the recompute."""
 
-    def __init__(self, kept: Kept) -> None:
+    def __init__(self, kept: Kept, consume: bool = True) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.kept = kept
+        self.consume = consume
         self.calls: dict[Any, int] = {}
 
     def __torch_dispatch__(
@@ -294,7 +298,12 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     ) -> Any:
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
-        entry = self.kept.entries.get((func, call))
+        entries = self.kept.entries
+        entry = (
+            entries.pop((func, call), None)
+            if self.consume
+            else entries.get((func, call))
+        )
         if entry is not None:
             out, versions = entry
             if _versions(out) == versions:

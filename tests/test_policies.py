@@ -107,6 +107,73 @@ def test_kept_outputs_cost_memory_until_the_recompute() -> None:
     assert held["compute_heavy"] - held[None] == 128 * 256 * 4
 
 
+def relu_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+            for _ in range(4)
+        ]
+    )
+
+
+def recompute_peak(policy: Any) -> int:
+    """Peak while a 4-block region recomputes (its forward's memory excluded)."""
+    from seqckpt.checkpoint import Options, _Region
+
+    x = torch.randn(128, 64, requires_grad=True)
+    options = Options(early_stop=False, policy=as_policy(policy))
+    region = _Region(relu_chain(), (x,), {}, options, None)
+    y = region.run()
+    with seqckpt.track_memory("cpu") as mem:
+        region._recompute()
+    del y
+    return mem.peak_bytes
+
+
+def test_a_served_output_is_freed_when_its_consumers_are_done() -> None:
+    # ReLU saves its output, not the first Linear's: in a plain recompute that
+    # output dies after the ReLU, and a served one must too (not stay in the
+    # cache to the end of the recompute, 4 x 128 x 256 floats here).
+    assert recompute_peak("compute_heavy") <= recompute_peak(None)
+
+
+def nested_plan() -> Plan:
+    ch = as_policy("compute_heavy")
+    inner = Plan((Recompute(0, 2, Plan((Run(0, 2),)), ch), Run(2, 3)))
+    return Plan((Recompute(0, 3, inner), Run(3, 4)))
+
+
+def test_a_nested_policy_region_keeps_from_its_parents_recompute() -> None:
+    from seqckpt.executor import run_plan
+    from seqckpt.planner.frontier import measure_peak
+
+    model, x = relu_chain(), torch.randn(128, 64, requires_grad=True)
+    plan = nested_plan()
+    assert_matches_plain(model, x, lambda m, t: run_plan(plan, list(m), t))
+
+    # The parent's recompute runs 5 addmm (blocks 0-2; the early stop skips
+    # the last, which nothing saves); the inner region's recompute runs 3
+    # without the policy (its last skipped the same way) and none with it: the
+    # parent's recompute made and kept them, and the inner recompute serves them.
+    def addmm_in_backward(plan: Plan) -> int:
+        y = run_plan(plan, list(model), x)
+        with OpCounter() as counter:
+            y.sum().backward()
+        return counter.counts["addmm"]
+
+    plain_inner = Plan((Recompute(0, 2, Plan((Run(0, 2),))), Run(2, 3)))
+    without = Plan((Recompute(0, 3, plain_inner), Run(3, 4)))
+    assert (addmm_in_backward(plan), addmm_in_backward(without)) == (5, 5 + 3)
+    # Kept outputs live from the parent's recompute to the inner recompute, as
+    # the cost model has it (kept in the parent's forward they would also be
+    # held through the whole rest of the step).
+    prof = seqckpt.profile(model, x, repeats=1, policies=("compute_heavy",))
+    predicted, _ = seqckpt.planner.plan_cost(plan, prof)
+    peak = measure_peak(model, x, lambda m, t: run_plan(plan, list(m), t), "cpu")
+    assert peak <= 1.01 * predicted
+
+
 def test_names_policy_keeps_what_user_code_names() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(8, 8)

@@ -125,6 +125,7 @@ def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
                     cost.policy,
                     max(0, math.ceil(_line(size, kept))),
                     max(floor, _line(size, times)),
+                    cost.keeps_output,
                 )
             )
         layers.append(dataclasses.replace(layer, **values, policies=tuple(costs)))

@@ -52,6 +52,7 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
             cost.policy,
             sum(p.policies[q].kept_bytes for p in layers),
             sum(p.policies[q].recompute_time for p in layers),
+            layers[-1].policies[q].keeps_output,
         )
         for q, cost in enumerate(layers[0].policies)
     )

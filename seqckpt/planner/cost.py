@@ -47,7 +47,9 @@ class CostModel:
     place (or returns its input to a layer that does), so a recompute would
     start from modified values. ``policies[p]`` is a policy the profile measured
     (``policies[0]`` is None), ``kept_by[p][k]`` what layer ``k`` keeps under it
-    and ``recompute_by[p][k]`` the seconds of its recompute under it.
+    (its output included when kept: ``output_kept_by[p][k]`` bytes, not kept
+    again when the layer ends a stretch) and ``recompute_by[p][k]`` the seconds
+    of its recompute under it.
     """
 
     a: list[int]
@@ -61,6 +63,7 @@ class CostModel:
     can_start: list[bool]
     policies: list[Policy | None]
     kept_by: list[list[int]]
+    output_kept_by: list[list[int]]
     recompute_by: list[list[float]]
 
     @staticmethod
@@ -90,12 +93,23 @@ class CostModel:
                 [p.policies[q].kept_bytes for p in layers]
                 for q in range(len(profile.policies))
             ],
+            output_kept_by=[[0] * len(layers)]
+            + [
+                [p.output_bytes if p.policies[q].keeps_output else 0 for p in layers]
+                for q in range(len(profile.policies))
+            ],
             recompute_by=[[p.forward_time for p in layers]]
             + [
                 [p.policies[q].recompute_time for p in layers]
                 for q in range(len(profile.policies))
             ],
         )
+
+    def stretch_kept(self, p: int, start: int, stop: int) -> int:
+        """Bytes a stretch ``start..stop-1`` keeps under policy ``p`` (its own
+        output, held anyway, not counted)."""
+        kept = sum(self.kept_by[p][k] for k in range(start, stop))
+        return kept - self.output_kept_by[p][stop - 1]
 
     def policy_index(self, policy: Policy | None) -> int:
         """The index of ``policy`` among :attr:`policies`."""
@@ -157,8 +171,7 @@ class CostModel:
                 kept = 0
                 if item.policy is not None:
                     p = self.policy_index(item.policy)
-                    span = range(item.start, item.stop)
-                    kept = sum(self.kept_by[p][k] for k in span)
+                    kept = self.stretch_kept(p, item.start, item.stop)
                     # layers the inner plan runs plainly are recomputed under
                     # the policy: their recompute time, not a full forward
                     inner_time -= sum(

@@ -81,14 +81,19 @@ class PolicyCost:
 
     Attributes:
         policy: the policy.
-        kept_bytes: bytes the forward keeps beyond the item's output.
+        kept_bytes: bytes the forward keeps, the item's output included when
+            the policy keeps it (a Linear's output under ``compute_heavy``).
         recompute_time: seconds of its recompute (the kept results served, the
             rest run again).
+        keeps_output: the policy keeps the item's output: inside a stretch it
+            is kept like any other result; at the stretch's end it is the
+            stretch's output, which is held anyway.
     """
 
     policy: Policy
     kept_bytes: int
     recompute_time: float
+    keeps_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,7 @@ class ChainProfile:
                     else str(c.policy),
                     "kept_bytes": c.kept_bytes,
                     "recompute_time": c.recompute_time,
+                    "keeps_output": c.keeps_output,
                 }
                 for c in p.policies
             ]
@@ -174,6 +180,7 @@ class ChainProfile:
                     Policy.from_json(c["policy"]),
                     int(c["kept_bytes"]),
                     float(c["recompute_time"]),
+                    bool(c.get("keeps_output", False)),
                 )
                 for c in row.get("policies", ())
             )
@@ -398,14 +405,21 @@ def _policy_cost(
     repeats: int,
 ) -> PolicyCost:
     """What ``item`` keeps when checkpointed under ``policy`` (live bytes after
-    its checkpointed forward, less its output) and the median seconds of its
-    recompute alone (run to its end, as inside a longer stretch)."""
+    its checkpointed forward, less its output unless the policy keeps that)
+    and the median seconds of its recompute alone (run to its end, as inside a
+    longer stretch)."""
     options = Options(early_stop=False, policy=policy)
     watch = Stopwatch(device)
+    inputs = _fresh(x)  # made outside the tracker: the caller holds it
     with track_memory(device) as mem:
-        region = _Region(item, (_fresh(x),), {}, options, None)
+        region = _Region(item, (inputs,), {}, options, None)
         out = region.run()
-        kept = max(0, mem.live_bytes() - output_bytes)
+        assert region.kept is not None
+        kept_storages = _storages([t for t, _ in region.kept.entries.values()])
+        keeps_output = bool(_storages(out)) and _storages(out) <= kept_storages
+        kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
+        kept = max(0, kept)
+    del inputs
     for round in range(repeats):
         if round:
             del out, region
@@ -413,7 +427,7 @@ def _policy_cost(
             out = region.run()
         watch.run(region._recompute)  # timed outside the tracker
     del out, region
-    return PolicyCost(policy, kept, statistics.median(watch.seconds()))
+    return PolicyCost(policy, kept, statistics.median(watch.seconds()), keeps_output)
 
 
 def _candidates(policies: Sequence[Any]) -> list[Policy]:

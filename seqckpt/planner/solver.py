@@ -135,6 +135,7 @@ class _Tables:
         self.B = prefix(model.backward_time)
         self.R = [prefix(r) for r in model.recompute_by]
         self.K = [prefix(k) for k in model.kept_by]
+        self.OK = [torch.tensor(k + [0], dtype=f64) for k in model.output_kept_by]
         # nograd[i, j]: bytes of running i..j-1 keeping nothing (input of i not
         # counted); flat[i, j]: bytes of keeping every layer of i..j-1 with the
         # gradient of x_j live (the recompute of a stretch under a policy, run
@@ -270,7 +271,7 @@ def _table(
                         continue
                     m = int(fits.max()) + 1
                     c, f = cuts[:, :m], firsts[:, :m]
-                    kept = tables.K[p][c] - tables.K[p][f]
+                    kept = tables.K[p][c] - tables.K[p][f] - tables.OK[p][c - 1]
                     seconds = forward[:, :m] + tables.R[p][c] - tables.R[p][f]
                     seconds += tables.B[c] - tables.B[f] + tie
                     total = _gather_shifted(after[:, :m], _ceil_slots(kept, unit))
@@ -324,7 +325,7 @@ def _rebuild(
             items.append(Recompute(i, j, Plan(_merge(inner))))
             s -= a[j]
         else:
-            stretch_kept = sum(model.kept_by[p][k] for k in range(i, j))
+            stretch_kept = model.stretch_kept(p, i, j)
             items.append(Recompute(i, j, Plan((Run(i, j),)), model.policies[p]))
             s -= a[j] + _slots(stretch_kept, unit)
         i = j
