@@ -424,6 +424,8 @@ def run_checked(
     size class on a device in :data:`AUTO_CHECK_DEVICES` is measured and its
     peak checked against the frontier's prediction (a drift beyond the
     frontier's tolerance makes the next batch of that size profile again)."""
+    if torch.compiler.is_compiling():
+        return run()
     if _PeakCheck.current is not None:  # observed on the CPU, or no backward
         _PeakCheck.current.close()
     frontier = _FRONTIERS.get(_frontier_key(chain, input))
@@ -434,7 +436,6 @@ def run_checked(
         frontier is None
         or device is None
         or device.type not in AUTO_CHECK_DEVICES
-        or torch.compiler.is_compiling()
         or not frontier.first_of_class(size)
     ):
         return run()
