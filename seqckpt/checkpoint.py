@@ -530,21 +530,24 @@ class _Region:
             or policy is not None
             or (guard and guard.conservative)
         ):
-            extra = ExitStack()
-            if guard is not None and guard.conservative:
-                # every module the region calls, however it reaches it
-                extra.enter_context(watching_modules(guard.watch))
-            if options.context_fn is not None:
-                forward_context, self.recompute_context = options.context_fn()
-                extra.enter_context(forward_context)
-            if policy is not None and not self.keep_later:
-                self.kept = Kept()
-                keeping = extra.enter_context(Keeping(policy, self.kept))
-                if policy.names:
-                    _policies._NAMING.append((keeping, policy.names))
-                    extra.callback(_policies._NAMING.pop)
-            if options.debug:
-                log = extra.enter_context(_OpLog())
+            # Entered one by one; if one fails (a user's context_fn), those
+            # already entered are left again before the error propagates.
+            with ExitStack() as setup:
+                if guard is not None and guard.conservative:
+                    # every module the region calls, however it reaches it
+                    setup.enter_context(watching_modules(guard.watch))
+                if options.context_fn is not None:
+                    forward_context, self.recompute_context = options.context_fn()
+                    setup.enter_context(forward_context)
+                if policy is not None and not self.keep_later:
+                    self.kept = Kept()
+                    keeping = setup.enter_context(Keeping(policy, self.kept))
+                    if policy.names:
+                        _policies._NAMING.append((keeping, policy.names))
+                        setup.callback(_policies._NAMING.pop)
+                if options.debug:
+                    log = setup.enter_context(_OpLog())
+                extra = setup.pop_all()
         phase = _state.begin(_state.CHECKPOINTING)
         self.in_forward = True
         children: list[_Region] = []

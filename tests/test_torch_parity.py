@@ -474,3 +474,21 @@ def test_inside_other_saved_tensor_hooks() -> None:
         lambda m, t: under_hooks(m, t, True),
         plain=lambda m, t: under_hooks(m, t, False),
     )
+
+
+def test_a_failing_context_fn_leaves_nothing_behind() -> None:
+    from torch.nn.modules import module as nn_module
+
+    hooks = len(nn_module._global_forward_pre_hooks)
+
+    def broken() -> tuple[Any, Any]:
+        raise RuntimeError("broken context_fn")
+
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="broken context_fn") as info:
+        # "values" watches every module call with a global hook, entered first
+        checkpoint(nn.Linear(4, 4), x, context_fn=broken, determinism_check="values")
+    # (while the error and its frames are alive, as in a caller handling it)
+    assert info.traceback is not None
+    assert len(nn_module._global_forward_pre_hooks) == hooks
+    assert torch._C._len_torch_dispatch_stack() == 0
