@@ -2,7 +2,7 @@
 :class:`CheckpointedSequential`.
 
 ``segments`` in every form (a count, a list of sizes, a :class:`~seqckpt.planner.Plan`,
-``"auto"``) becomes a plan (:func:`plan_for`), and
+``"auto"``) becomes a plan (:func:`run_segments`), and
 :func:`seqckpt.executor.run_plan` runs it with the one primitive. No strategy is
 special-cased in the executor.
 """
@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from seqckpt._chain import Chain, as_chain
-from seqckpt.checkpoint import ContextFn, DeterminismCheck, make_options
+from seqckpt.checkpoint import ContextFn, DeterminismCheck, Options, make_options
 from seqckpt.executor import resolve_plan, run_plan
 from seqckpt.planner.adaptive import BudgetSource
 from seqckpt.planner.budget import parse_budget
-from seqckpt.planner.planning import auto_plan, run_checked
+from seqckpt.planner.planning import auto_step
 from seqckpt.planner.tree import Plan, default_segments
 from seqckpt.policies import Policy, as_policy
 
@@ -31,25 +31,36 @@ __all__ = ["CheckpointedSequential", "checkpoint_blocks", "checkpoint_sequential
 Segments = int | Sequence[int] | Plan | str
 
 
-def plan_for(
+def run_segments(
     segments: object,
     chain: Sequence[Callable[[Any], Any]],
     input: Any,
     memory_budget: BudgetSource | None,
-    policy: Policy | None = None,
-) -> Plan:
-    """The plan for ``segments`` in any accepted form; ``"auto"`` asks the planner
-    (see :func:`seqckpt.planner.planning.auto_plan`)."""
+    policy: Policy | None,
+    options: Options,
+) -> Any:
+    """Run ``chain`` on ``input`` checkpointed as ``segments`` says, in any
+    accepted form; ``"auto"`` asks the planner for each batch (see
+    :func:`seqckpt.planner.planning.auto_step`)."""
     if segments == "auto":
-        if policy is not None:
-            raise ValueError(
-                f"seqckpt: policy={policy} was given with segments='auto', where the "
-                "planner chooses each stretch's policy; plan with "
-                "seqckpt.plan(..., policies=...) to choose the candidates."
-            )
-        return auto_plan(chain, input, memory_budget)
+        _check_no_policy_with_auto(policy)
+        return auto_step(
+            chain,
+            input,
+            memory_budget,
+            lambda plan: run_plan(plan, chain, input, options),
+        )
     _check_budget_use(segments, memory_budget)
-    return resolve_plan(segments, chain, policy)
+    return run_plan(resolve_plan(segments, chain, policy), chain, input, options)
+
+
+def _check_no_policy_with_auto(policy: Policy | None) -> None:
+    if policy is not None:
+        raise ValueError(
+            f"seqckpt: policy={policy} was given with segments='auto', where the "
+            "planner chooses each stretch's policy; plan with "
+            "seqckpt.plan(..., policies=...) to choose the candidates."
+        )
 
 
 def _check_budget_use(segments: object, memory_budget: object) -> None:
@@ -142,12 +153,7 @@ def checkpoint_sequential(
         for module in chain:
             input = module(input)
         return input
-    plan = plan_for(segments, chain, input, memory_budget, chosen)
-    if segments == "auto":
-        return run_checked(
-            chain, input, plan, lambda: run_plan(plan, chain, input, options)
-        )
-    return run_plan(plan, chain, input, options)
+    return run_segments(segments, chain, input, memory_budget, chosen, options)
 
 
 class CheckpointedSequential(nn.Sequential):
@@ -203,8 +209,8 @@ class CheckpointedSequential(nn.Sequential):
         self.policy = as_policy(policy)
         if segments is not None and segments != "auto" and len(self) > 0:
             resolve_plan(segments, list(self), self.policy)  # fail early
-        if segments == "auto" and self.policy is not None:
-            plan_for("auto", [], None, None, self.policy)  # raises: planner's choice
+        if segments == "auto":
+            _check_no_policy_with_auto(self.policy)
         self.segments = segments
         self.memory_budget = memory_budget
         self._warned_single = False
@@ -251,13 +257,9 @@ class CheckpointedSequential(nn.Sequential):
                     "recompute it whole.",
                     stacklevel=2,
                 )
-        plan = plan_for(segments, chain, input, self.memory_budget, self.policy)
-        if segments == "auto":
-            options = self.options
-            return run_checked(
-                chain, input, plan, lambda: run_plan(plan, chain, input, options)
-            )
-        return run_plan(plan, chain, input, self.options)
+        return run_segments(
+            segments, chain, input, self.memory_budget, self.policy, self.options
+        )
 
     def extra_repr(self) -> str:
         parts = [] if self.segments is None else [f"segments={self.segments!r}"]

@@ -27,9 +27,8 @@ __all__ = [
     "AUTO_STATS",
     "DEFAULT_POLICIES",
     "auto_frontier",
-    "auto_plan",
+    "auto_step",
     "available_bytes",
-    "run_checked",
     "plan",
     "with_policies",
 ]
@@ -296,13 +295,13 @@ def _timed_profile(
         AUTO_STATS.profile_seconds += time.perf_counter() - began
 
 
-def auto_frontier(chain: Sequence[Any], input: Any) -> Frontier:
-    """The frontier ``segments="auto"`` keeps for this chain and kind of input:
-    profiled on the first call, and once more at the first size that differs by
-    half (or where measured peaks drifted); then reused for every shape."""
+def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
+    """The frontier ``segments="auto"`` keeps for this chain and kind of input
+    (``size`` is the input's :func:`input_size`): profiled on the first call,
+    and once more at the first size that differs by half (or where measured
+    peaks drifted); then reused for every shape."""
     key = _frontier_key(chain, input)
     frontier = _FRONTIERS.get(key)
-    size = input_size(input)
     if frontier is None:
         if torch.compiler.is_compiling():
             raise RuntimeError(
@@ -320,17 +319,19 @@ def auto_frontier(chain: Sequence[Any], input: Any) -> Frontier:
     return frontier
 
 
-def auto_plan(
-    chain: Sequence[Any], input: Any, memory_budget: BudgetSource | None
+def _auto_choice(
+    frontier: Frontier,
+    chain: Sequence[Any],
+    input: Any,
+    size: int,
+    memory_budget: BudgetSource | None,
 ) -> Plan:
-    """The plan for ``segments="auto"``: the fastest plan of the chain's
-    :class:`~seqckpt.planner.adaptive.Frontier` whose predicted peak for this
-    input fits the budget (an int, a string, or a callable evaluated now; on
-    CUDA without one, the free memory, see :func:`available_bytes`).
+    """The fastest plan of ``frontier`` whose predicted peak for this input
+    fits the budget (an int, a string, or a callable evaluated now; on CUDA
+    without one, the free memory, see :func:`available_bytes`).
 
     Under ``torch.distributed`` every rank plans at the same call with the
     smallest budget of all ranks, and every rank uses rank 0's plan."""
-    frontier = auto_frontier(chain, input)
     began = time.perf_counter()
     try:
         budget = (
@@ -340,22 +341,21 @@ def auto_plan(
         )
         if _distributed():  # every call: all ranks then share the cache's keys
             budget = _smallest_on_any_rank(budget, input)
-        key = (input_size(input), budget)
+        key = (size, budget)
         cached = _AUTO_CACHE.get(key)
         if cached is not None and cached[0] is frontier:
-            chosen = cached[1]
+            return cached[1]
+        if _distributed():
+            try:
+                result: Plan | PlanError = frontier.plan_for(size, budget)
+            except PlanError as error:
+                result = error
+            chosen = _rank_zero_plan(result, input)
         else:
-            if _distributed():
-                try:
-                    result: Plan | PlanError = frontier.plan_for(input, budget)
-                except PlanError as error:
-                    result = error
-                chosen = _rank_zero_plan(result, input)
-            else:
-                chosen = frontier.plan_for(input, budget)
-            _AUTO_CACHE[key] = (frontier, chosen)
-            if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
-                _AUTO_CACHE.popitem(last=False)
+            chosen = frontier.plan_for(size, budget)
+        _AUTO_CACHE[key] = (frontier, chosen)
+        if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
+            _AUTO_CACHE.popitem(last=False)
         return chosen
     finally:
         AUTO_STATS.steps += 1
@@ -417,32 +417,36 @@ class _PeakCheck:
         roots[0].register_hook(started)  # type: ignore[no-untyped-call]
 
 
-def run_checked(
-    chain: Sequence[Any], input: Any, plan: Plan, run: Callable[[], T]
+def auto_step(
+    chain: Sequence[Any],
+    input: Any,
+    memory_budget: BudgetSource | None,
+    run: Callable[[Plan], T],
 ) -> T:
-    """``run()``, the step of a ``segments="auto"`` plan; the first step of each
+    """One step of ``segments="auto"``: the chain's frontier (see
+    :func:`auto_frontier`) gives the plan for this input and budget (see
+    :func:`_auto_choice`) and ``run(plan)`` runs it. The first step of each
     size class on a device in :data:`AUTO_CHECK_DEVICES` is measured and its
     peak checked against the frontier's prediction (a drift beyond the
     frontier's tolerance makes the next batch of that size profile again)."""
+    size = input_size(input)
+    frontier = auto_frontier(chain, input, size)
+    plan = _auto_choice(frontier, chain, input, size, memory_budget)
     if torch.compiler.is_compiling():
-        return run()
+        return run(plan)
     if _PeakCheck.current is not None:  # observed on the CPU, or no backward
         _PeakCheck.current.close()
-    frontier = _FRONTIERS.get(_frontier_key(chain, input))
-    devices = {t.device for t in tensors_in(input)}
-    device = next(iter(devices), None)
-    size = input_size(input)
+    device = next((t.device for t in tensors_in(input)), None)
     if (
-        frontier is None
-        or device is None
+        device is None
         or device.type not in AUTO_CHECK_DEVICES
         or not frontier.first_of_class(size)
     ):
-        return run()
+        return run(plan)
     check = _PeakCheck(frontier, size, plan, device)
     _PeakCheck.current = check
     try:
-        out = run()
+        out = run(plan)
     except BaseException:
         check.close()
         raise
