@@ -63,7 +63,7 @@ from seqckpt.planner.solver import (
     frontier_plans,
     smallest_peak,
 )
-from seqckpt.planner.tree import Plan, PlanError, Run
+from seqckpt.planner.tree import Plan, PlanError, Run, check_format, load_json
 
 __all__ = ["Frontier", "input_size"]
 
@@ -102,33 +102,36 @@ def _line(x: float, points: list[tuple[int, float]]) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _bytes_at(x: int, points: list[tuple[int, float]]) -> int:
+    return max(0, math.ceil(_line(x, points)))
+
+
+def _seconds_at(x: int, points: list[tuple[int, float]]) -> float:
+    return max(_TIME_FLOOR * min(y for _, y in points), _line(x, points))
+
+
 def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
     """Every figure of every layer at ``size``, from the measured profiles."""
     layers = []
     template = points[0][1]
     for k, layer in enumerate(template.layers):
-        values: dict[str, Any] = {}
-        for field in _BYTES:
-            line = [(x, float(getattr(p.layers[k], field))) for x, p in points]
-            values[field] = max(0, math.ceil(_line(size, line)))
+        at = [(x, p.layers[k]) for x, p in points]
+        values: dict[str, Any] = {
+            field: _bytes_at(size, [(x, getattr(m, field)) for x, m in at])
+            for field in _BYTES
+        }
         for field in _TIMES:
-            line = [(x, getattr(p.layers[k], field)) for x, p in points]
-            floor = _TIME_FLOOR * min(y for _, y in line)
-            values[field] = max(floor, _line(size, line))
-        costs = []
-        for q, cost in enumerate(layer.policies):
-            kept = [(x, float(p.layers[k].policies[q].kept_bytes)) for x, p in points]
-            times = [(x, p.layers[k].policies[q].recompute_time) for x, p in points]
-            floor = _TIME_FLOOR * min(y for _, y in times)
-            costs.append(
-                PolicyCost(
-                    cost.policy,
-                    max(0, math.ceil(_line(size, kept))),
-                    max(floor, _line(size, times)),
-                    cost.keeps_output,
-                )
+            values[field] = _seconds_at(size, [(x, getattr(m, field)) for x, m in at])
+        costs = tuple(
+            PolicyCost(
+                cost.policy,
+                _bytes_at(size, [(x, m.policies[q].kept_bytes) for x, m in at]),
+                _seconds_at(size, [(x, m.policies[q].recompute_time) for x, m in at]),
+                cost.keeps_output,
             )
-        layers.append(dataclasses.replace(layer, **values, policies=tuple(costs)))
+            for q, cost in enumerate(layer.policies)
+        )
+        layers.append(dataclasses.replace(layer, **values, policies=costs))
     return ChainProfile(tuple(layers), template.device)
 
 
@@ -167,7 +170,7 @@ class Frontier:
         self.tolerance = tolerance
         self.plans: list[Plan] = list(plans)
         self._classes: set[int] = set()
-        self._models: dict[int, CostModel] = {}
+        self._predictions: dict[int, tuple[ChainProfile, CostModel]] = {}
         self._stale: set[int] = set()
         self._checked: set[int] = set()
         self.solves = 0
@@ -186,15 +189,19 @@ class Frontier:
 
     def profile_at(self, size: int) -> ChainProfile:
         """The predicted profile for an input of ``size`` elements."""
-        return _predict(self.points, size)
+        return self._predicted(size)[0]
 
     def _model(self, size: int) -> CostModel:
-        model = self._models.get(size)
-        if model is None:
-            if len(self._models) > 256:
-                self._models.clear()
-            model = self._models[size] = CostModel.of(self.profile_at(size))
-        return model
+        return self._predicted(size)[1]
+
+    def _predicted(self, size: int) -> tuple[ChainProfile, CostModel]:
+        found = self._predictions.get(size)
+        if found is None:
+            if len(self._predictions) > 256:
+                self._predictions.clear()
+            profile = _predict(self.points, size)
+            found = self._predictions[size] = (profile, CostModel.of(profile))
+        return found
 
     def needs_profile(self, size: int) -> bool:
         """Whether a batch of ``size`` elements should be profiled: while only
@@ -220,7 +227,7 @@ class Frontier:
             )
         self.points = [(x, p) for x, p in self.points if x != size] + [(size, profile)]
         self._stale.discard(_size_class(size))
-        self._models.clear()
+        self._predictions.clear()
         self._classes.clear()  # the size classes solve again with the new fit
 
     def first_of_class(self, size: int) -> bool:
@@ -263,7 +270,7 @@ class Frontier:
             if need <= limit and (best is None or seconds < best[0]):
                 best = (seconds, need, plan)
         if best is None:
-            floor = self._floor(size, model)
+            floor = self._floor(size)
             if floor <= limit:  # between the stored plans' steps: solve exactly
                 found = fastest_plan(self.profile_at(size), limit, self.slots)
                 self.plans.append(Plan(found.items))
@@ -301,7 +308,7 @@ class Frontier:
                 self.plans.append(Plan(p.items))
         self._classes.add(_size_class(size))
 
-    def _floor(self, size: int, model: CostModel) -> int:
+    def _floor(self, size: int) -> int:
         floor, plan = smallest_peak(self.profile_at(size))
         if plan.items not in {p.items for p in self.plans}:
             self.plans.append(Plan(plan.items))
@@ -325,25 +332,17 @@ class Frontier:
     @staticmethod
     def from_json(text: str) -> Frontier:
         """Read a frontier written by :meth:`to_json`."""
-        try:
-            data = json.loads(text)
-            if data.get("format") != "seqckpt.frontier/1":
-                raise PlanError(
-                    f"seqckpt: frontier JSON has format {data.get('format')!r}, "
-                    "expected 'seqckpt.frontier/1'."
-                )
-            points = [(int(x), ChainProfile.from_dict(p)) for x, p in data["points"]]
-            plans = [Plan.from_json(json.dumps(p)) for p in data["plans"]]
-            return Frontier(
-                points,
-                slots=int(data["slots"]),
-                tolerance=float(data["tolerance"]),
-                plans=plans,
-            )
-        except PlanError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise PlanError(f"seqckpt: malformed frontier JSON: {error}") from error
+        return load_json(text, "frontier", Frontier._from_dict)
+
+    @staticmethod
+    def _from_dict(data: dict[str, Any]) -> Frontier:
+        check_format(data, "seqckpt.frontier/1", "frontier")
+        return Frontier(
+            [(int(x), ChainProfile.from_dict(p)) for x, p in data["points"]],
+            slots=int(data["slots"]),
+            tolerance=float(data["tolerance"]),
+            plans=[Plan.from_dict(p) for p in data["plans"]],
+        )
 
 
 BudgetSource = int | str | Callable[[], int]

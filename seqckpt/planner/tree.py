@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from seqckpt.policies import Policy
 
@@ -154,24 +154,42 @@ class Plan:
     @staticmethod
     def from_json(text: str) -> Plan:
         """Read a plan written by :meth:`to_json`; malformed text raises PlanError."""
-        try:
-            data = json.loads(text)
-            if data.get("format") != "seqckpt.plan/1":
-                raise PlanError(
-                    f"seqckpt: plan JSON has format {data.get('format')!r}, "
-                    "expected 'seqckpt.plan/1'."
-                )
-            plan = Plan(
-                _items_from_json(data["items"]),
-                _opt(data.get("predicted_peak_bytes"), int),
-                _opt(data.get("predicted_time"), float),
-            )
-        except PlanError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise PlanError(f"seqckpt: malformed plan JSON: {error}") from error
+        return load_json(text, "plan", Plan.from_dict)
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> Plan:
+        """Read what :meth:`to_dict` wrote (see :meth:`from_json`)."""
+        check_format(data, "seqckpt.plan/1", "plan")
+        plan = Plan(
+            _items_from_json(data["items"]),
+            _opt(data.get("predicted_peak_bytes"), int),
+            _opt(data.get("predicted_time"), float),
+        )
         plan._check_contiguous()
         return plan
+
+
+T = TypeVar("T")
+
+
+def check_format(data: Any, expected: str, kind: str) -> None:
+    """Raise PlanError unless ``data`` is a JSON object of format ``expected``."""
+    if data.get("format") != expected:
+        raise PlanError(
+            f"seqckpt: {kind} JSON has format {data.get('format')!r}, "
+            f"expected {expected!r}."
+        )
+
+
+def load_json(text: str, kind: str, build: Callable[[Any], T]) -> T:
+    """``build`` applied to the JSON in ``text``; what is malformed (not JSON,
+    a key missing, a value of the wrong type) raises PlanError naming ``kind``."""
+    try:
+        return build(json.loads(text))
+    except PlanError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise PlanError(f"seqckpt: malformed {kind} JSON: {error}") from error
 
 
 def _opt(value: Any, kind: type) -> Any:
