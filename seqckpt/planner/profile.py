@@ -420,12 +420,12 @@ def _policy_cost(
         kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
         kept = max(0, kept)
     del inputs
-    for round in range(repeats):
-        if round:
-            del out, region
-            region = _Region(item, (_fresh(x),), {}, options, None)
-            out = region.run()
-        watch.run(region._recompute)  # timed outside the tracker
+    watch.run(region._recompute)  # timed outside the tracker
+    for _ in range(repeats - 1):
+        del out, region
+        region = _Region(item, (_fresh(x),), {}, options, None)
+        out = region.run()
+        watch.run(region._recompute)
     del out, region
     return PolicyCost(policy, kept, statistics.median(watch.seconds()), keeps_output)
 
