@@ -228,7 +228,9 @@ class Frontier:
         self.points = [(x, p) for x, p in self.points if x != size] + [(size, profile)]
         self._stale.discard(_size_class(size))
         self._predictions.clear()
-        self._classes.clear()  # the size classes solve again with the new fit
+        # The profiled size's class solves again with its measured profile;
+        # the others keep their plans, which are chosen among by the new fit.
+        self._classes.discard(_size_class(size))
 
     def first_of_class(self, size: int) -> bool:
         """True the first time it is asked about a size class (sizes within a

@@ -12,9 +12,9 @@ Example:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -27,6 +27,7 @@ from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.checkpoint import Options, _Region
 from seqckpt.memory import Stopwatch, track_memory
+from seqckpt.planner.twins import twin_key
 from seqckpt.policies import Policy, as_policy
 
 __all__ = ["ChainProfile", "LayerProfile", "PolicyCost", "profile"]
@@ -316,6 +317,12 @@ def _storages(obj: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors_in(obj)} - {0}
 
 
+def _name(item: Callable[..., Any]) -> str:
+    if isinstance(item, nn.Module):
+        return type(item).__name__
+    return getattr(item, "__name__", type(item).__name__)
+
+
 def _profile_item(
     item: Callable[..., Any],
     x: Any,
@@ -373,13 +380,8 @@ def _profile_item(
     )
     next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
     del out
-    name = (
-        type(item).__name__
-        if isinstance(item, nn.Module)
-        else getattr(item, "__name__", type(item).__name__)
-    )
     layer = LayerProfile(
-        name=name,
+        name=_name(item),
         forward_time=forward_time,
         backward_time=statistics.median(backwards.seconds()),
         input_bytes=_nbytes(x),
@@ -461,7 +463,11 @@ def profile(
     charged to it).
 
     Each item runs on a detached copy of the previous item's output, so items are
-    measured one at a time. The chain is sandboxed: its parameters, buffers (e.g.
+    measured one at a time. An item that is a twin of one measured before (the
+    same module structure and attributes with an input of the same shapes, see
+    :mod:`seqckpt.planner.twins`: the blocks of a transformer) is not measured
+    again: it runs once without grad, for its output, and gets its twin's
+    figures. The chain is sandboxed: its parameters, buffers (e.g.
     BatchNorm statistics), ``.grad`` s, training flags and the global RNG state are
     the same afterwards as before.
 
@@ -490,9 +496,23 @@ def profile(
     device = _device(sample_input, chain)
     devices = accelerator_devices(tensors_in(sample_input))
     layers = []
+    # An item's twin measured earlier: its figures, and which tensors of its
+    # output require grad (a twin's forward runs without grad).
+    measured: dict[Hashable, tuple[LayerProfile, list[bool]]] = {}
     with sandbox(devices), torch.enable_grad():
         x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
         for item in chain:
+            key = twin_key(item, x)
+            twin = measured.get(key) if key is not None else None
+            if twin is not None:
+                with torch.no_grad():
+                    out = item(_fresh(x))
+                if len(tensors_in(out)) == len(twin[1]):
+                    layers.append(replace(twin[0], name=_name(item)))
+                    x = _detached(out, twin[1])
+                    continue
             layer, x = _profile_item(item, x, device, repeats, chosen)
             layers.append(layer)
+            if key is not None:
+                measured[key] = (layer, [t.requires_grad for t in tensors_in(x)])
     return ChainProfile(tuple(layers), str(device))
