@@ -144,10 +144,14 @@ class RngState:
 
     @staticmethod
     def capture(devices: tuple[torch.device, ...]) -> RngState:
-        others = tuple(d for d in devices if d.type != "cuda") if devices else ()
+        cpu = _CPU_GENERATOR.get_state()
+        generators = cuda_generators()
+        if not devices and not generators:  # the CPU alone: no loops
+            return RngState(cpu, (), ())
+        others = tuple(d for d in devices if d.type != "cuda")
         return RngState(
-            _CPU_GENERATOR.get_state(),
-            tuple((g, g.initial_seed(), g.get_offset()) for g in cuda_generators()),
+            cpu,
+            tuple((g, g.initial_seed(), g.get_offset()) for g in generators),
             tuple(
                 (d, torch.get_device_module(d.type).get_rng_state(d)) for d in others
             ),
@@ -155,6 +159,8 @@ class RngState:
 
     def restore(self) -> None:
         _CPU_GENERATOR.set_state(self.cpu)
+        if not self.cuda and not self.devices:
+            return
         for generator, seed, offset in self.cuda:
             if generator.initial_seed() != seed or generator.get_offset() != offset:
                 generator.manual_seed(seed)
@@ -164,6 +170,8 @@ class RngState:
 
     def current(self) -> RngState:
         """The caller's state now, on the same devices as this one."""
+        if not self.devices:
+            return RngState.capture(())
         return RngState.capture(tuple([d for d, _ in self.devices]))
 
 
