@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from seqckpt.planner import Plan, PlanError, Recompute, Run, plan_cost, uniform_plan
 from seqckpt.planner.cost import CostModel
-from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan, least_memory
+from seqckpt.planner.solver import fastest_plan, least_memory
 from tests.profiles import chain_profile, equal_layers, layer
 
 
@@ -126,13 +126,59 @@ def test_dp_matches_brute_force(case: tuple[object, int]) -> None:
     plan = fastest_plan(prof, budget)  # type: ignore[arg-type]
     assert plan.predicted_peak_bytes is not None and plan.predicted_time is not None
     assert plan.predicted_peak_bytes <= budget
-    # Sizes are rounded up to slots, so the DP may miss plans within a few slots
-    # of the budget; every plan clear of that margin must be no faster.
-    margin = (n + 2) * budget / DEFAULT_SLOTS
+    # Exact: sizes rounded up to slots lose no plan that fits the budget.
     for items in all_items(0, n):
         need, seconds = model.total(items)
-        if need <= budget - margin:
+        if need <= budget:
             assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
+
+
+@pytest.mark.parametrize("n", [8, 14, 30])
+def test_a_plan_is_found_at_exactly_its_own_peak(n: int) -> None:
+    # Budget = a plan's exact predicted peak (as when the budget is a torch
+    # run's measured peak): rounding sizes up to slots must not lose it.
+    prof = chain_profile(
+        [layer(1000 + 37 * k, 1.0, 2.0, saved=3000 + 101 * k) for k in range(n)]
+    )
+    for segments in range(2, 6):
+        theirs = uniform_plan(n, segments)
+        peak, seconds = plan_cost(theirs, prof)
+        ours = fastest_plan(prof, peak)
+        assert ours.predicted_peak_bytes is not None and ours.predicted_time is not None
+        assert ours.predicted_peak_bytes <= peak
+        assert ours.predicted_time <= seconds + 1e-9, (segments, str(ours))
+
+
+def _stretch_squares(items: tuple[Run | Recompute, ...]) -> int:
+    return sum(
+        (i.stop - i.start) ** 2 + _stretch_squares(i.inner.items)
+        for i in items
+        if isinstance(i, Recompute)
+    )
+
+
+def test_equally_fast_plans_prefer_the_shortest_stretches() -> None:
+    # Same recompute work either way: shorter stretches recompute and run
+    # their backward in a smaller working set.
+    # A large last layer: its backward sets the peak, and below the budget
+    # that keeps a front layer, every way to recompute the front ties.
+    n = 5
+    prof = chain_profile([layer(1000, saved=10000) for _ in range(n - 1)]
+                         + [layer(1000, saved=60000)])  # fmt: skip
+    model = CostModel.of(prof)
+    everything = [(items, *model.total(items)) for items in all_items(0, n)]
+    ties = 0
+    for budget in range(63000, 75000, 500):
+        plan = fastest_plan(prof, budget)
+        fits = [(items, t) for items, need, t in everything if need <= budget]
+        best = min(t for _, t in fits)
+        tied = [items for items, t in fits if t <= best + 1e-9]
+        assert plan.predicted_time is not None
+        assert plan.predicted_time <= best + 1e-9
+        squares = sorted(set(map(_stretch_squares, tied)))
+        assert _stretch_squares(plan.items) == squares[0]
+        ties += len(squares) > 1
+    assert ties > 0  # the case the test is about did occur
 
 
 def test_nesting_appears_when_it_pays() -> None:
@@ -207,10 +253,9 @@ def test_dp_with_policies_matches_brute_force(case: tuple[object, int]) -> None:
     assert plan.predicted_peak_bytes is not None and plan.predicted_time is not None
     assert plan.predicted_peak_bytes <= budget
     assert (plan.predicted_peak_bytes, plan.predicted_time) == model.total(plan.items)
-    margin = (n + 2) * budget / DEFAULT_SLOTS
     for items in all_items_with_policies(0, n, [COMPUTE_HEAVY]):
         need, seconds = model.total(items)
-        if need <= budget - margin:
+        if need <= budget:
             assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
 
 
