@@ -219,7 +219,7 @@ def frontier_plans(
 
 
 def _plan_at(
-    C: torch.Tensor, model: CostModel, budget: int, slots: int, s: int
+    C: torch.Tensor, model: CostModel, budget: float, slots: int, s: int
 ) -> Plan:
     unit = budget / slots
     a = [_slots(x, unit) for x in model.a]
@@ -228,7 +228,7 @@ def _plan_at(
 
 
 def _table(
-    model: CostModel, budget: int, slots: int
+    model: CostModel, budget: float, slots: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DP table and its choices (see :func:`_solve`).
 
