@@ -87,13 +87,19 @@ def test_the_profile_measures_the_first_twin_and_copies_it() -> None:
         assert twin.calls == [False]  # one forward without grad, for its output
     first = prof.layers[1]
     assert all(layer == first for layer in prof.layers[2:])
-    # the copied figures are what measuring that block on its own gives
-    alone = seqckpt.profile(
-        nn.Sequential(Block()), torch.randn(32, 16, requires_grad=True), repeats=1
+    # the copied figures are what measuring every block gives
+    each = seqckpt.profile(
+        chain, x, repeats=1, policies=("compute_heavy",), twins=False
     )
+    assert all(isinstance(b, Block) and any(b.calls[1:]) for b in blocks[1:])
     for field in ("input_bytes", "output_bytes", "saved_bytes", "held_bytes",
-                  "forward_peak_bytes", "backward_peak_bytes"):  # fmt: skip
-        assert getattr(alone.layers[0], field) == getattr(first, field), field
+                  "forward_peak_bytes", "nograd_peak_bytes",
+                  "backward_peak_bytes"):  # fmt: skip
+        assert [getattr(p, field) for p in each.layers[1:]] == [
+            getattr(first, field)
+        ] * 4, field
+    kept = [p.policies[0].kept_bytes for p in each.layers[1:]]
+    assert kept == [first.policies[0].kept_bytes] * 4
 
 
 def test_items_whose_inputs_change_shape_are_measured_each() -> None:

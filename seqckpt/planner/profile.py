@@ -453,6 +453,7 @@ def profile(
     *,
     repeats: int = 5,
     policies: Sequence[Any] = (),
+    twins: bool = True,
 ) -> ChainProfile:
     """Measure each item of a chain: forward and backward time (medians of
     ``repeats`` runs, after the runs that measure memory; on CUDA timed with
@@ -478,6 +479,10 @@ def profile(
         policies: policies (other than None) to measure each item under, for
             :func:`seqckpt.plan` to choose among: what the item keeps under each
             and the time of its recompute (see :mod:`seqckpt.policies`).
+        twins: give twins of a measured item its figures instead of measuring
+            them. False measures every item: for blocks whose cost depends on
+            the values they see (mixture-of-experts routing, token dropping),
+            or to see each item's own timing.
 
     Returns:
         A :class:`ChainProfile`; pass it to :func:`seqckpt.plan`.
@@ -502,7 +507,7 @@ def profile(
     with sandbox(devices), torch.enable_grad():
         x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
         for item in chain:
-            key = twin_key(item, x)
+            key = twin_key(item, x) if twins else None
             twin = measured.get(key) if key is not None else None
             if twin is not None:
                 with torch.no_grad():
