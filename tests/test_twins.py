@@ -74,6 +74,17 @@ def test_hooks_scripts_and_functions() -> None:
     )
 
 
+def test_cycles_make_an_item_distinct() -> None:
+    x = torch.randn(4, 16)
+    parent = Block()
+    object.__setattr__(parent.up, "owner", parent)  # a plain back-reference
+    assert twin_key(parent, x) is None
+    looped = Block()
+    looped.scale = []  # type: ignore[assignment]
+    looped.scale.append(looped.scale)  # type: ignore[attr-defined]
+    assert twin_key(looped, x) is None
+
+
 def test_the_profile_measures_the_first_twin_and_copies_it() -> None:
     torch.manual_seed(0)
     chain = nn.Sequential(nn.Linear(8, 16), *[Block() for _ in range(4)])

@@ -65,6 +65,11 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
           torch.device, torch.layout, torch.memory_format)  # fmt: skip
 
 
+# Deeper nesting than this (or a cycle: a module holding its parent in a
+# plain attribute, a list containing itself) makes the item distinct.
+_DEPTH = 32
+
+
 class _Distinct(Exception):
     """Raised inside :func:`twin_key` for an item that has no twins."""
 
@@ -75,28 +80,33 @@ def _tensor_key(t: torch.Tensor | None) -> Hashable:
     return (tuple(t.shape), t.dtype, t.device, t.requires_grad, t.layout)
 
 
-def _value_key(value: Any) -> Hashable:
+def _value_key(value: Any, depth: int) -> Hashable:
     if isinstance(value, _PLAIN):
         return (type(value), value)
     if isinstance(value, torch.Tensor):
         return ("tensor", _tensor_key(value))
+    if depth > _DEPTH:
+        raise _Distinct
     if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_value_key(v) for v in value))
+        return (type(value), tuple(_value_key(v, depth + 1) for v in value))
     if isinstance(value, dict):
-        return (type(value), tuple((k, _value_key(v)) for k, v in value.items()))
+        return (
+            type(value),
+            tuple((k, _value_key(v, depth + 1)) for k, v in value.items()),
+        )
     if isinstance(value, nn.Module):
-        return _module_key(value)
+        return _module_key(value, depth + 1)
     return ("object", id(value))
 
 
-def _module_key(module: nn.Module) -> Hashable:
-    if isinstance(module, torch.jit.ScriptModule):
+def _module_key(module: nn.Module, depth: int) -> Hashable:
+    if isinstance(module, torch.jit.ScriptModule) or depth > _DEPTH:
         raise _Distinct
     state = vars(module)
     if any(state.get(name) for name in _HOOKS):
         raise _Distinct
     attributes = tuple(
-        (name, _value_key(value))
+        (name, _value_key(value, depth + 1))
         for name, value in state.items()
         if name not in _BOOKKEEPING and name not in _HOOKS
     )
@@ -107,7 +117,7 @@ def _module_key(module: nn.Module) -> Hashable:
         tuple((n, _tensor_key(p)) for n, p in module._parameters.items()),
         tuple((n, _tensor_key(b)) for n, b in module._buffers.items()),
         tuple(
-            (n, None if m is None else _module_key(m))
+            (n, None if m is None else _module_key(m, depth + 1))
             for n, m in module._modules.items()
         ),
     )
@@ -124,7 +134,7 @@ def _input_key(x: Any) -> Hashable:
         return (type(x), tuple(_input_key(v) for v in x))
     if isinstance(x, dict):
         return (type(x), tuple((k, _input_key(v)) for k, v in x.items()))
-    return _value_key(x)
+    return _value_key(x, 0)
 
 
 def twin_key(item: Any, x: Any) -> Hashable | None:
@@ -134,6 +144,6 @@ def twin_key(item: Any, x: Any) -> Hashable | None:
     try:
         if not isinstance(item, nn.Module):
             return (("object", id(item)), _input_key(x))
-        return (_module_key(item), _input_key(x))
+        return (_module_key(item, 0), _input_key(x))
     except _Distinct:
         return None
