@@ -145,8 +145,11 @@ bench bench_planner 90 bench/test_planner.py
 if [[ "$mode" == gpu ]]; then
     step frontier 90 "" "$python" -m seqckpt plan --model resnet --device cuda \
         --plot "$out/frontier_gpu.png"
+    step frontier_gpt 90 "" "$python" -m seqckpt plan --model gpt --device cuda \
+        --plot "$out/frontier_gpt_gpu.png"
 else
     step frontier 90 "" "$python" -m seqckpt plan --model mlp --device cpu --batch 8
+    step frontier_gpt 60 "" "$python" -m seqckpt plan --model gpt --device cpu --batch 1
 fi
 
 # -------------------------------------------------------------------- summary
