@@ -159,8 +159,6 @@ class RngState:
 
     def restore(self) -> None:
         _CPU_GENERATOR.set_state(self.cpu)
-        if not self.cuda and not self.devices:
-            return
         for generator, seed, offset in self.cuda:
             if generator.initial_seed() != seed or generator.get_offset() != offset:
                 generator.manual_seed(seed)
@@ -170,8 +168,6 @@ class RngState:
 
     def current(self) -> RngState:
         """The caller's state now, on the same devices as this one."""
-        if not self.devices:
-            return RngState.capture(())
         return RngState.capture(tuple([d for d, _ in self.devices]))
 
 
