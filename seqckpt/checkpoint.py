@@ -30,13 +30,14 @@ regions cheap.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -57,12 +58,15 @@ ContextFn = Callable[
 T = TypeVar("T")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(_torch_checkpoint.CheckpointError):
     """Raised when a recompute does not reproduce what its forward saved, or when
-    the inputs of a checkpointed region were modified in place before backward."""
+    the inputs of a checkpointed region were modified in place before backward.
+
+    A subclass of ``torch.utils.checkpoint.CheckpointError`` (a ``RuntimeError``),
+    so code that catches torch's error catches this one too."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Options:
     """How regions run, checked once (see :func:`checkpoint` for each)."""
 
@@ -126,8 +130,12 @@ def checkpoint(
             missing. torch accepts ``"default"`` and ``"none"``.
         debug: record the aten ops of the forward and of the recompute, and
             name the first place they differ in a :class:`CheckpointError`.
+            As in torch, ``torch.utils.checkpoint.set_checkpoint_debug_enabled``
+            overrides it while active.
         early_stop: stop the recompute once every saved tensor is back (the
-            default); ``False`` runs the function to its end.
+            default); ``False`` runs the function to its end. As in torch,
+            ``torch.utils.checkpoint.set_checkpoint_early_stop`` overrides it
+            for the regions whose forward runs under it.
         preserve_rng_state: replay the CPU and accelerator RNG of the first run in
             the recompute, so dropout draws the same mask. The caller's RNG after
             backward is what the plain run leaves.
@@ -266,8 +274,33 @@ def run_region(
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    early_stop, debug = _torch_switches()
+    if early_stop is not None or debug is not None:
+        options = _with_torch_switches(options, early_stop, debug)
     result: T = _Region(function, args, kwargs, options, modules).run()
     return result
+
+
+def _torch_switches() -> tuple[bool | None, bool | None]:
+    """torch's global overrides, set by ``torch.utils.checkpoint.
+    set_checkpoint_early_stop`` and ``set_checkpoint_debug_enabled`` (None
+    where no such context manager is active)."""
+    return (
+        getattr(_torch_checkpoint, "_enable_checkpoint_early_stop", None),
+        getattr(_torch_checkpoint, "_checkpoint_debug_enabled", None),
+    )
+
+
+def _with_torch_switches(
+    options: Options, early_stop: bool | None, debug: bool | None
+) -> Options:
+    """``options`` with torch's global switches applied: as in torch, they win
+    over the keywords, and a region keeps what was set when its forward ran."""
+    return dataclasses.replace(
+        options,
+        early_stop=options.early_stop if early_stop is None else bool(early_stop),
+        debug=options.debug if debug is None else bool(debug),
+    )
 
 
 def _compiled_checkpoint(

@@ -125,6 +125,60 @@ def test_debug_names_the_first_op_that_differs() -> None:
     assert "aten.exp" in str(info.value) and "aten.cos" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("switch", "keyword", "runs"), [(False, True, 2), (True, False, 1)]
+)
+def test_torch_early_stop_switch_wins_over_the_keyword(
+    switch: bool, keyword: bool, runs: int
+) -> None:
+    # torch.utils.checkpoint.set_checkpoint_early_stop overrides the keyword,
+    # for checkpoints whose forward ran under it, also when their backward
+    # runs after the context manager is left (as torch's own tests pin down).
+    tail = CountsFinished()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), tail)
+    with tc.set_checkpoint_early_stop(switch):
+        y = checkpoint(model, torch.randn(3, 4, requires_grad=True), early_stop=keyword)
+    y.sum().backward()
+    assert tail.finished == runs
+
+
+def test_torch_early_stop_switch_reaches_checkpoint_sequential() -> None:
+    tail = CountsFinished()
+    model = nn.Sequential(nn.Linear(4, 4), tail, nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    checkpoint_sequential(model, 2, x).sum().backward()
+    assert tail.finished == 1  # the first segment's recompute stops in its matmul
+    with tc.set_checkpoint_early_stop(False):
+        y = checkpoint_sequential(model, 2, x)
+    y.sum().backward()
+    assert tail.finished == 1 + 2
+
+
+def test_torch_debug_switch_turns_debug_on() -> None:
+    state = {"flip": False}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.cos() if state["flip"] else x.exp().sin()).sum()
+
+    with tc.set_checkpoint_debug_enabled(True):
+        y = checkpoint(f, torch.randn(3, requires_grad=True))
+    state["flip"] = True
+    with pytest.raises(CheckpointError, match=r"first differ at op #0"):
+        y.backward()
+
+
+def test_checkpoint_error_is_torchs_checkpoint_error() -> None:
+    state = {"flip": False}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x[:2] if state["flip"] else x).exp()
+
+    y = checkpoint(f, torch.randn(3, requires_grad=True))
+    state["flip"] = True
+    with pytest.raises(tc.CheckpointError, match="seqckpt: saved tensor #0"):
+        y.sum().backward()
+
+
 class OpCounter(TorchDispatchMode):  # type: ignore[misc]
     """Counts aten ops by name while active."""
 
