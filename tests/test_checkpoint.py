@@ -16,6 +16,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt import CheckpointError, checkpoint
+from tests.counting import CountsFinished
 from tests.oracle import assert_matches_plain
 
 
@@ -400,20 +401,6 @@ def test_work_after_the_last_saved_tensor_is_not_recomputed() -> None:
     f.flip = True
     with pytest.raises(CheckpointError, match="saved 2 tensors"):
         y.sum().backward()
-
-
-class CountsFinished(nn.Module):
-    """A matmul that counts the calls that got past it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4))
-        self.finished = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight  # saves x and the weight before computing
-        self.finished += 1
-        return y
 
 
 @pytest.mark.parametrize("scripted_head", [False, True])

@@ -10,27 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqckpt
 from seqckpt import checkpoint, checkpoint_sequential
 from seqckpt.planner import Plan, Recompute, Run
 from seqckpt.policies import COMPUTE_HEAVY, Policy, as_policy, names, ops
+from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
 from tests.test_robustness import chains
 
 aten = torch.ops.aten
-
-
-class OpCounter(TorchDispatchMode):  # type: ignore[misc]
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def mlp() -> nn.Sequential:

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.utils.checkpoint as tc
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import seqckpt
 from seqckpt import CheckpointError, checkpoint, checkpoint_sequential
 from seqckpt.memory import track_memory
+from tests.counting import CountsFinished, OpCounter
 from tests.oracle import assert_matches_plain
 
 aten = torch.ops.aten
@@ -87,20 +87,6 @@ def test_a_module_called_as_hf_and_timm_call_it() -> None:
 def test_bad_keyword_values_are_named(keyword: str, value: object) -> None:
     with pytest.raises(TypeError, match=rf"^seqckpt: argument '{keyword}'"):
         checkpoint(torch.sin, torch.randn(2), **{keyword: value})
-
-
-class CountsFinished(nn.Module):
-    """A matmul that counts the calls that got past it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4))
-        self.finished = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x @ self.weight  # saves x and the weight before computing
-        self.finished += 1
-        return y
 
 
 @pytest.mark.parametrize(("early_stop", "runs"), [(True, 1), (False, 2)])
@@ -177,19 +163,6 @@ def test_checkpoint_error_is_torchs_checkpoint_error() -> None:
     state["flip"] = True
     with pytest.raises(tc.CheckpointError, match="seqckpt: saved tensor #0"):
         y.sum().backward()
-
-
-class OpCounter(TorchDispatchMode):  # type: ignore[misc]
-    """Counts aten ops by name while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = func.overloadpacket.__name__
-        self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_context_fn_wraps_the_forward_and_each_recompute() -> None:
