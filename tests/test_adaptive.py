@@ -67,6 +67,19 @@ def test_each_size_gets_a_plan_that_fits_without_profiling(frontier: Frontier) -
     assert len(frontier.points) == 2  # no profile beyond the two
 
 
+def test_keeping_everything_needs_no_solve_where_it_fits() -> None:
+    model = token_chain()
+    f = seqckpt.plan(model, tokens(64), frontier=True, policies=[None])
+    size = input_size(tokens(16))
+    keep_all = f.plan_for(size, 10**9)
+    assert keep_all.checkpoints() == 0 and f.solves == 0 and not f.plans
+    # the same batch under a budget below its keep-everything peak solves
+    tight = keep_all.predicted_peak_bytes // 2  # type: ignore[operator]
+    plan = f.plan_for(size, tight)
+    assert plan.checkpoints() > 0 and f.solves == 1
+    assert plan.predicted_peak_bytes <= tight  # type: ignore[operator]
+
+
 def test_a_second_size_is_profiled_once_then_only_on_drift() -> None:
     model = token_chain()
     f = seqckpt.plan(model, tokens(64), frontier=True, policies=[None])

@@ -257,13 +257,18 @@ class Frontier:
 
     def plan_for(self, input: Any, budget: int | str) -> Plan:
         """The fastest stored plan whose predicted peak for ``input`` (a batch,
-        or its size in elements) fits ``budget``; the first batch of a new size
+        or its size in elements) fits ``budget``: keeping every activation
+        when that fits (no plan is faster), else the first batch of a new size
         class first adds that class's frontier. Raises ``PlanError`` naming the
         smallest budget that would fit when none does."""
         size = input if isinstance(input, int) else input_size(input)
         given = parse_budget(budget)
         limit = int(given * (1 - HEADROOM))
         model = self._model(size)
+        everything = (Run(0, len(model)),)
+        need, seconds = model.total(everything)
+        if need <= limit:  # nothing is faster than keeping every activation
+            return Plan(everything, need, seconds)
         if _size_class(size) not in self._classes:
             self._add_plans(size, model)
         best: tuple[float, int, Plan] | None = None

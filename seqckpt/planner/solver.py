@@ -184,6 +184,7 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
     unit = budget / slots
     top = slots + n + 3
     T, C = _table(model, unit * top, top)
+    choices = _Choices(C)
     times = T[0, n - 1].tolist()
     previous = math.inf
     for s in range(top, slots - 1, -1):
@@ -192,7 +193,7 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
         if times[s] == previous and s > slots:
             continue  # the same time as the plan just rejected: likely it
         previous = times[s]
-        plan = _plan_at(C, model, unit * top, top, s)
+        plan = _plan_at(choices, model, unit * top, top, s)
         if s == slots or model.total(plan.items)[0] <= budget:
             return plan
     return None
@@ -206,25 +207,41 @@ def frontier_plans(
     that staircase is another plan (the first one the least memory the slots
     can express, the last one the fastest within ``budget``)."""
     T, C = _table(model, budget, slots)
+    choices = _Choices(C)
     n = len(model)
-    best = T[0, n - 1]
     plans: list[Plan] = []
     previous = math.inf
-    for s in range(slots + 1):
-        value = float(best[s])
+    for s, value in enumerate(T[0, n - 1].tolist()):
         if math.isfinite(value) and value < previous:
-            plans.append(_plan_at(C, model, budget, slots, s))
+            plans.append(_plan_at(choices, model, budget, slots, s))
             previous = value
     return plans
 
 
+class _Choices:
+    """The DP's choices, read entry by entry as plans are rebuilt: each row
+    ``(i, last)`` becomes a list once (indexing the tensor itself costs about
+    a microsecond an entry)."""
+
+    def __init__(self, C: torch.Tensor) -> None:
+        self.C = C
+        self.rows: dict[tuple[int, int], list[int]] = {}
+
+    def at(self, i: int, last: int, s: int) -> int:
+        row = self.rows.get((i, last))
+        if row is None:
+            row = self.rows[i, last] = self.C[i, last].tolist()
+        return row[s]
+
+
 def _plan_at(
-    C: torch.Tensor, model: CostModel, budget: float, slots: int, s: int
+    choices: _Choices, model: CostModel, budget: float, slots: int, s: int
 ) -> Plan:
     unit = budget / slots
     a = [_slots(x, unit) for x in model.a]
     kept_slots = [_slots(x, unit) for x in model.kept]
-    return Plan(_merge(_rebuild(C, model, kept_slots, a, unit, 0, len(model) - 1, s)))
+    n = len(model)
+    return Plan(_merge(_rebuild(choices, model, n, kept_slots, a, unit, 0, n - 1, s)))
 
 
 def _table(
@@ -318,8 +335,9 @@ def _table(
 
 
 def _rebuild(
-    choices: torch.Tensor,
+    choices: _Choices,
     model: CostModel,
+    n: int,
     kept: list[int],
     a: list[int],
     unit: float,
@@ -330,10 +348,9 @@ def _rebuild(
     """The plan items the DP chose for layers ``i..last`` with ``s`` slots. (A
     module-level function: a recursive closure would be a reference cycle holding
     the whole table until the garbage collector runs.)"""
-    n = len(model)
     items: list[Item] = []
     while True:
-        c = int(choices[i, last, s])
+        c = choices.at(i, last, s)
         assert c >= 0, "the DP table led to an infeasible state"
         if c == 0:
             items.append(Run(i, i + 1))
@@ -344,7 +361,7 @@ def _rebuild(
             continue
         p, j = divmod(c, n + 1)
         if p == 0:
-            inner = _rebuild(choices, model, kept, a, unit, i, j - 1, s)
+            inner = _rebuild(choices, model, n, kept, a, unit, i, j - 1, s)
             items.append(Recompute(i, j, Plan(_merge(inner))))
             s -= a[j]
         else:
