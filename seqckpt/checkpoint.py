@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Literal, TypeVar
@@ -495,6 +496,7 @@ class _Region:
         "forward_ops",
         "children",
         "keep_later",
+        "__weakref__",
     )
 
     def __init__(
@@ -514,7 +516,10 @@ class _Region:
         self.recompute_context: AbstractContextManager[Any] | None = None
         self.forward_ops: list[str] | None = None
         self.kept: Kept | None = None
-        self.children: list[_Region] | None = None
+        # Weak: a child's saver node unpacks through this region, so strong
+        # references both ways would be a cycle holding the inputs, the kept
+        # outputs and the graph until the garbage collector runs.
+        self.children: list[weakref.ref[_Region]] | None = None
         self.keep_later = False
         if options.policy is not None:
             running = _POLICY_CHILDREN.get()
@@ -595,7 +600,7 @@ class _Region:
         finally:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             _POLICY_CHILDREN.reset(running)
-            self.children = children or None
+            self.children = [weakref.ref(c) for c in children] or None
             self.in_forward = False
             self.recomputed = None  # tensors recomputed for a backward run inside
             _state.end(_state.CHECKPOINTING, phase)
@@ -755,8 +760,9 @@ class _Region:
                 # The nested regions of the forward get what their remade
                 # twins kept (a twin the early stop never reached leaves its
                 # region to recompute in full).
-                for child, twin in zip(self.children, remade):  # noqa: B905
-                    if child.kept is None:
+                for ref, twin in zip(self.children, remade):  # noqa: B905
+                    child = ref()
+                    if child is not None and child.kept is None:
                         child.kept = twin.kept
         finally:
             _set_grad_enabled(create_graph)

@@ -3,6 +3,8 @@ that a kept op is not run again in the recompute."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -161,6 +163,35 @@ def test_a_nested_policy_region_keeps_from_its_parents_recompute() -> None:
     predicted, _ = seqckpt.planner.plan_cost(plan, prof)
     peak = measure_peak(model, x, lambda m, t: run_plan(plan, list(m), t), "cpu")
     assert peak <= 1.01 * predicted
+
+
+def test_a_nested_policy_region_leaves_no_reference_cycle() -> None:
+    # A region with a policy nested in another is registered with its parent;
+    # a strong reference both ways (the child's saver node unpacks through the
+    # parent) held the parent's input, and all the region held, until the
+    # garbage collector ran: 2.6% over the predicted peak on a GPT plan.
+    model = relu_chain()
+
+    def parent(t: torch.Tensor) -> torch.Tensor:
+        return model[3](checkpoint(model[2], t, policy="compute_heavy"))
+
+    def input_freed_by_refcounts() -> bool:
+        h = model[1](model[0](torch.randn(128, 64, requires_grad=True)))
+        alive = weakref.ref(h)
+        y = checkpoint(parent, h)
+        del h
+        y.sum().backward()
+        del y
+        return alive() is None
+
+    # Once with the collector on: the first policy region imports parts of
+    # torch lazily, and an import's frames are themselves collected by it.
+    input_freed_by_refcounts()
+    gc.disable()
+    try:
+        assert input_freed_by_refcounts()
+    finally:
+        gc.enable()
 
 
 def test_names_policy_keeps_what_user_code_names() -> None:
