@@ -214,7 +214,13 @@ def as_policy(policy: object) -> Policy | None:
 # ---------------------------------------------------------------- the machinery
 
 
+# An op's output is one tensor almost always; torch's tree_map (for tuples of
+# them) is slower and leaves cyclic garbage behind on every call.
+
+
 def _detached(out: Any) -> Any:
+    if type(out) is torch.Tensor:
+        return out.detach()
     return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
 
 
@@ -223,6 +229,8 @@ def _versions(out: Any) -> list[int]:
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
+    if type(out) is torch.Tensor:
+        return [out]
     found: list[torch.Tensor] = []
     tree_map(lambda t: found.append(t) if isinstance(t, torch.Tensor) else None, out)
     return found
