@@ -240,8 +240,9 @@ def _plan_at(
     unit = budget / slots
     a = [_slots(x, unit) for x in model.a]
     kept_slots = [_slots(x, unit) for x in model.kept]
-    n = len(model)
-    return Plan(_merge(_rebuild(choices, model, n, kept_slots, a, unit, 0, n - 1, s)))
+    return Plan(
+        _merge(_rebuild(choices, model, kept_slots, a, unit, 0, len(model) - 1, s))
+    )
 
 
 def _table(
@@ -337,7 +338,6 @@ def _table(
 def _rebuild(
     choices: _Choices,
     model: CostModel,
-    n: int,
     kept: list[int],
     a: list[int],
     unit: float,
@@ -348,6 +348,7 @@ def _rebuild(
     """The plan items the DP chose for layers ``i..last`` with ``s`` slots. (A
     module-level function: a recursive closure would be a reference cycle holding
     the whole table until the garbage collector runs.)"""
+    n = len(model)
     items: list[Item] = []
     while True:
         c = choices.at(i, last, s)
@@ -361,7 +362,7 @@ def _rebuild(
             continue
         p, j = divmod(c, n + 1)
         if p == 0:
-            inner = _rebuild(choices, model, n, kept, a, unit, i, j - 1, s)
+            inner = _rebuild(choices, model, kept, a, unit, i, j - 1, s)
             items.append(Recompute(i, j, Plan(_merge(inner))))
             s -= a[j]
         else:
