@@ -143,6 +143,27 @@ def test_auto_follows_the_input_and_takes_a_callable_budget() -> None:
         )
 
 
+def test_a_chain_reusing_a_freed_chains_ids_gets_its_own_frontier() -> None:
+    # Frontiers are cached by the ids of the chain's items; a chain built
+    # after another was freed can get the same ids (a sweep over widths).
+    # Simulated here: the cache entry under the new chain's key is one that
+    # the freed chain left, holding (weakly) other modules.
+    from seqckpt.planner import planning
+
+    old, new = token_chain(), token_chain()
+    seqckpt.checkpoint_sequential(old, "auto", tokens(16), memory_budget=10**9)
+    stale = planning._FRONTIERS[planning._frontier_key(list(old), tokens(16))]
+    key = planning._frontier_key(list(new), tokens(16))
+    planning._FRONTIERS[key] = stale
+    before = AUTO_STATS.profiles
+    seqckpt.checkpoint_sequential(new, "auto", tokens(16), memory_budget=10**9)
+    assert AUTO_STATS.profiles == before + 1  # profiled anew
+    assert planning._FRONTIERS[key][1] is not stale[1]
+    again = AUTO_STATS.profiles
+    seqckpt.checkpoint_sequential(new, "auto", tokens(16), memory_budget=10**9)
+    assert AUTO_STATS.profiles == again  # and its own frontier is reused
+
+
 class _BigBackward(torch.autograd.Function):
     """Identity whose backward briefly allocates ``extra`` bytes: memory the
     cost model does not know of."""

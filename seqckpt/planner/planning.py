@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -145,7 +146,9 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
     return ChainProfile(layers, profile.device)
 
 
-_FRONTIERS: dict[tuple[Any, ...], Frontier] = {}
+# The frontier of each chain and kind of input, with what identifies the
+# chain's items (see _holders).
+_FRONTIERS: dict[tuple[Any, ...], tuple[tuple[Any, ...], Frontier]] = {}
 # The plan chosen for the last (input size, budget) pairs.
 _AUTO_CACHE: OrderedDict[tuple[int, int], tuple[Frontier, Plan]] = OrderedDict()
 _AUTO_CACHE_SIZE = 64
@@ -284,6 +287,27 @@ def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     return (tuple(id(m) for m in chain), kinds)
 
 
+def _holders(chain: Sequence[Any]) -> tuple[Any, ...]:
+    """A weak reference to each item of ``chain`` (the item itself where it
+    takes none, e.g. a builtin, which lives as long as the process): a cached
+    frontier is keyed by the items' ids, and a chain built after another was
+    freed may reuse its ids (a sweep over model widths does)."""
+    held: list[Any] = []
+    for item in chain:
+        try:
+            held.append(weakref.ref(item))
+        except TypeError:
+            held.append(item)
+    return tuple(held)
+
+
+def _same_items(held: tuple[Any, ...], chain: Sequence[Any]) -> bool:
+    return len(held) == len(chain) and all(
+        (h() if isinstance(h, weakref.ref) else h) is item
+        for h, item in zip(held, chain)  # noqa: B905
+    )
+
+
 def _timed_profile(
     chain: Sequence[Any], input: Any, policies: Sequence[Any]
 ) -> ChainProfile:
@@ -301,7 +325,8 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
     and once more at the first size that differs by half (or where measured
     peaks drifted); then reused for every shape."""
     key = _frontier_key(chain, input)
-    frontier = _FRONTIERS.get(key)
+    entry = _FRONTIERS.get(key)
+    frontier = entry[1] if entry is not None and _same_items(entry[0], chain) else None
     if frontier is None:
         if torch.compiler.is_compiling():
             raise RuntimeError(
@@ -310,7 +335,8 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
                 "seqckpt.plan(...) as segments."
             )
         frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
-        _FRONTIERS[key] = frontier
+        _FRONTIERS.pop(key, None)  # a freed chain's, under reused ids
+        _FRONTIERS[key] = (_holders(chain), frontier)
         if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
             _FRONTIERS.pop(next(iter(_FRONTIERS)))
     elif frontier.needs_profile(size) and not torch.compiler.is_compiling():
