@@ -241,9 +241,22 @@ class CheckpointedSequential(nn.Sequential):
         module.train(sequential.training)
         return module
 
-    def forward(self, input: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()) or len(self) == 0:
-            return super().forward(input)  # type: ignore[no-untyped-call]
+    # Unannotated, as nn.Sequential's: TorchScript reads the input as a
+    # tensor, Python takes anything (tuples, dicts).
+    def forward(self, input):  # type: ignore[no-untyped-def]
+        scripting = torch.jit.is_scripting()  # type: ignore[attr-defined]
+        if not scripting and self.training and torch.is_grad_enabled():
+            return self._checkpointed(input)
+        for module in self:  # nn.Sequential's forward, in a form TorchScript takes
+            input = module(input)
+        return input
+
+    @torch.jit.unused  # type: ignore[untyped-decorator]
+    def _checkpointed(self, input):  # type: ignore[no-untyped-def]
+        """The training forward, checkpointed. ``torch.jit.script`` compiles
+        only the plain forward: a scripted model does not checkpoint."""
+        if len(self) == 0:
+            return input
         chain = list(self)
         segments = self.segments
         if segments is None:

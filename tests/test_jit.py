@@ -153,6 +153,25 @@ def test_torchscript_children_bitwise() -> None:
         assert_matches_plain(make, x, lambda m, x: checkpoint_sequential(m, k, x))
 
 
+def test_torchscript_compiles_the_plain_forward() -> None:
+    # As nn.Sequential can be scripted, so can its drop-in: TorchScript cannot
+    # checkpoint, so the scripted forward is the plain one; the eager module,
+    # also as the child of a scripted parent, keeps checkpointing.
+    model = CheckpointedSequential(*tanh_chain(), segments=3)
+    parent = nn.Sequential(model, nn.Linear(16, 2))
+    scripted = torch.jit.script(parent)
+    x = torch.randn(4, 16)
+    assert torch.equal(scripted(x), parent(x))
+    assert list(scripted.state_dict()) == list(parent.state_dict())
+    assert type(parent[0]) is CheckpointedSequential
+    assert_matches_plain(
+        lambda: CheckpointedSequential(*tanh_chain(), segments=3),
+        torch.randn(4, 16, requires_grad=True),
+        lambda m, t: m(t),
+        plain=lambda m, t: nn.Sequential(*m)(t),
+    )
+
+
 def test_export_in_eval_mode() -> None:
     model = CheckpointedSequential(*tanh_chain(), segments=3).eval()
     x = torch.randn(4, 16)
