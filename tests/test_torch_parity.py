@@ -74,6 +74,61 @@ def test_a_module_called_as_hf_and_timm_call_it() -> None:
     assert_matches_plain(layer, x, lambda m, t: checkpoint(m, t, use_reentrant=True))
 
 
+class _ScaledBlock(nn.Module):
+    """A block taking a keyword argument, counting its forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.2))
+        self.out = nn.Linear(16, 8)
+        self.runs = 0
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        self.runs += 1
+        return self.out(self.inner(x) * scale)
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_ScaledBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale=2.0)
+        return x
+
+
+def test_torch_distributed_checkpoint_wrapper_takes_seqckpt() -> None:
+    # FSDP users (torchtitan among them) wrap blocks with torch's
+    # apply_activation_checkpointing; checkpoint_fn= makes the wrapper call
+    # seqckpt, with the block's keyword arguments passed through.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    def wrap(model: nn.Module) -> nn.Module:
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(
+                checkpoint_wrapper, checkpoint_fn=seqckpt.checkpoint
+            ),
+            check_fn=lambda m: isinstance(m, _ScaledBlock),
+        )
+        return model
+
+    torch.manual_seed(0)
+    model = _Stack()
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, t: wrap(m)(t))
+    wrapped = wrap(model)
+    wrapped(x).sum().backward()
+    runs = [b._checkpoint_wrapped_module.runs for b in wrapped.blocks]
+    assert runs == [2, 2, 2]  # a forward and a recompute each
+    assert list(wrapped.state_dict()) == list(_Stack().state_dict())
+
+
 @pytest.mark.parametrize(
     ("keyword", "value"),
     [
