@@ -216,8 +216,6 @@ def as_policy(policy: object) -> Policy | None:
 
 # An op's output is one tensor almost always; torch's tree_map (for tuples of
 # them) is slower and leaves cyclic garbage behind on every call.
-
-
 def _detached(out: Any) -> Any:
     if type(out) is torch.Tensor:
         return out.detach()

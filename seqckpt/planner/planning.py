@@ -304,7 +304,7 @@ def _holders(chain: Sequence[Any]) -> tuple[Any, ...]:
 def _same_items(held: tuple[Any, ...], chain: Sequence[Any]) -> bool:
     return len(held) == len(chain) and all(
         (h() if isinstance(h, weakref.ref) else h) is item
-        for h, item in zip(held, chain)  # noqa: B905
+        for h, item in zip(held, chain, strict=False)
     )
 
 
