@@ -369,7 +369,9 @@ def _op_difference(forward: list[str], recompute: list[str]) -> str:
     )
     window = slice(max(0, at - 3), at + 3)
     return (
-        f"\nseqckpt debug: the forward ran {len(forward)} ops, the recompute "
+        "\nseqckpt debug: You are seeing this error because you passed "
+        "`debug=True` to checkpoint (or torch's set_checkpoint_debug_enabled(True) "
+        f"is on). The forward ran {len(forward)} ops, the recompute "
         f"{len(recompute)}; they first differ at op #{at}.\n"
         f"  forward   ops #{window.start}..: {', '.join(forward[window]) or '-'}\n"
         f"  recompute ops #{window.start}..: {', '.join(recompute[window]) or '-'}"
@@ -799,10 +801,19 @@ class _Region:
         debug = ""
         if recompute_ops is not None and self.forward_ops is not None:
             debug = _op_difference(self.forward_ops, recompute_ops)
+        # Each message also carries the words of torch's own error for the
+        # case, so code and tests written against torch's checkpoint match it.
         if not count_ok:
+            what = (
+                "was trying to save more tensors during recomputation than during "
+                "the original forward pass"
+                if len(collected) > len(self.metas)
+                else "A different number of tensors was saved during the original "
+                "forward and recomputation"
+            )
             raise CheckpointError(
-                f"seqckpt: the recompute of checkpointed {name} saved "
-                f"{len(collected)} tensors for backward, but its forward saved "
+                f"seqckpt: checkpointed {name}: {what}: the recompute "
+                f"saved {len(collected)} tensors for backward, but its forward saved "
                 f"{len(self.metas)}. The function must do the same work twice: make "
                 "any state it branches on (flags, Python randomness, data-dependent "
                 "control flow) the same in backward, or do not checkpoint it "
@@ -815,8 +826,10 @@ class _Region:
                 raise CheckpointError(
                     f"seqckpt: saved tensor #{i} of checkpointed {name} differs "
                     f"between forward ({_describe(meta)}) and recompute "
-                    f"({_describe(now)}). The function must compute the same "
-                    "thing twice; check global state it reads." + debug
+                    f"({_describe(now)}). Recomputed values for the following "
+                    f"tensors have different metadata than during the forward "
+                    f"pass: #{i}. The function must compute the same thing twice; "
+                    "check global state it reads." + debug
                 )
         assert bad is not None
         before, after = self.prints[bad], prints[bad]

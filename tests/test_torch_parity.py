@@ -204,8 +204,38 @@ def test_torch_debug_switch_turns_debug_on() -> None:
     with tc.set_checkpoint_debug_enabled(True):
         y = checkpoint(f, torch.randn(3, requires_grad=True))
     state["flip"] = True
-    with pytest.raises(CheckpointError, match=r"first differ at op #0"):
+    with pytest.raises(CheckpointError, match=r"first differ at op #0") as info:
         y.backward()
+    # torch's words for it, too
+    assert "You are seeing this error because you passed `debug=True`" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "early_stop", "words"),
+    [
+        ("fewer", True, "A different number of tensors was saved"),
+        ("more", False, "trying to save more tensors during recomputation"),
+        (
+            "shape",
+            True,
+            "Recomputed values for the following tensors have different metadata",
+        ),
+    ],
+)
+def test_errors_carry_the_words_of_torchs(
+    mode: str, early_stop: bool, words: str
+) -> None:
+    # Code and tests written against torch's checkpoint match on its messages.
+    from tests.test_checkpoint import Flip
+
+    f = Flip(mode)
+    with tc.set_checkpoint_early_stop(early_stop):
+        y = checkpoint(f, torch.randn(3, 2, requires_grad=True))
+    f.flip = True
+    with pytest.raises(tc.CheckpointError, match=f"^seqckpt: .*{words}"):
+        y.sum().backward()
 
 
 def test_checkpoint_error_is_torchs_checkpoint_error() -> None:
