@@ -275,32 +275,24 @@ def run_region(
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    early_stop, debug = _torch_switches()
-    if early_stop is not None or debug is not None:
-        options = _with_torch_switches(options, early_stop, debug)
+    options = _with_torch_switches(options)
     result: T = _Region(function, args, kwargs, options, modules).run()
     return result
 
 
-def _torch_switches() -> tuple[bool | None, bool | None]:
-    """torch's global overrides, set by ``torch.utils.checkpoint.
-    set_checkpoint_early_stop`` and ``set_checkpoint_debug_enabled`` (None
-    where no such context manager is active)."""
-    return (
-        getattr(_torch_checkpoint, "_enable_checkpoint_early_stop", None),
-        getattr(_torch_checkpoint, "_checkpoint_debug_enabled", None),
-    )
-
-
-def _with_torch_switches(
-    options: Options, early_stop: bool | None, debug: bool | None
-) -> Options:
-    """``options`` with torch's global switches applied: as in torch, they win
-    over the keywords, and a region keeps what was set when its forward ran."""
+def _with_torch_switches(options: Options) -> Options:
+    """``options`` with torch's global switches applied, where one of
+    ``torch.utils.checkpoint.set_checkpoint_early_stop`` and
+    ``set_checkpoint_debug_enabled`` is active: as in torch, they win over the
+    keywords, and a region keeps what was set when its forward ran."""
+    early_stop = getattr(_torch_checkpoint, "_enable_checkpoint_early_stop", None)
+    debug = getattr(_torch_checkpoint, "_checkpoint_debug_enabled", None)
+    if early_stop is None and debug is None:
+        return options
     return dataclasses.replace(
         options,
-        early_stop=options.early_stop if early_stop is None else bool(early_stop),
-        debug=options.debug if debug is None else bool(debug),
+        early_stop=options.early_stop if early_stop is None else early_stop,
+        debug=options.debug if debug is None else debug,
     )
 
 
@@ -827,7 +819,7 @@ class _Region:
                     f"seqckpt: saved tensor #{i} of checkpointed {name} differs "
                     f"between forward ({_describe(meta)}) and recompute "
                     f"({_describe(now)}). Recomputed values for the following "
-                    f"tensors have different metadata than during the forward "
+                    "tensors have different metadata than during the forward "
                     f"pass: #{i}. The function must compute the same thing twice; "
                     "check global state it reads." + debug
                 )
