@@ -3,6 +3,8 @@ re-profiling on drift, callable budgets, errors before running, JSON."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,7 @@ from torch import nn
 import seqckpt
 from seqckpt.executor import run_plan
 from seqckpt.planner import PlanError
-from seqckpt.planner.adaptive import Frontier, input_size
+from seqckpt.planner.adaptive import HEADROOM, Frontier, input_size
 from seqckpt.planner.frontier import measure_peak
 from seqckpt.planner.planning import AUTO_STATS
 from tests.oracle import assert_matches_plain
@@ -65,6 +67,43 @@ def test_each_size_gets_a_plan_that_fits_without_profiling(frontier: Frontier) -
     assert checkpoints[8] == 0  # a short batch keeps everything
     assert checkpoints[80] > 0
     assert len(frontier.points) == 2  # no profile beyond the two
+
+
+def test_the_choice_is_the_fastest_stored_plan_that_fits(
+    frontier: Frontier, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from seqckpt.planner.cost import CostModel
+
+    size = input_size(tokens(80))
+    model = frontier._model(size)
+    top = frontier.plan_for(size, 10**9).predicted_peak_bytes
+    assert top is not None
+    frontier.plan_for(size, top // 2)  # this size class adds its plans
+    assert len(frontier.plans) > 10
+    peaks = 0
+    total = CostModel.total
+
+    def counted(self: CostModel, items: tuple[object, ...]) -> tuple[int, float]:
+        nonlocal peaks
+        peaks += 1
+        return total(self, items)  # type: ignore[arg-type]
+
+    for share in (0.4, 0.55, 0.7, 0.85):
+        limit = int(top * share)
+        costs = [model.total(plan.items) for plan in frontier.plans]
+        fastest = min(
+            seconds for need, seconds in costs if need <= int(limit * (1 - HEADROOM))
+        )
+        monkeypatch.setattr(CostModel, "total", counted)
+        peaks = 0
+        chosen = frontier.plan_for(size, limit)
+        monkeypatch.setattr(CostModel, "total", total)
+        # (equally fast plans may differ in the last bit of their sums)
+        assert math.isclose(chosen.predicted_time, fastest, rel_tol=1e-12)  # type: ignore[arg-type]
+        assert chosen.predicted_peak_bytes <= int(limit * (1 - HEADROOM))  # type: ignore[operator]
+        # ranked by time, plans whose floor is over the limit skipped: only a
+        # few peaks are computed (the keep-everything check is one)
+        assert peaks < len(frontier.plans) / 3, (share, peaks, len(frontier.plans))
 
 
 def test_keeping_everything_needs_no_solve_where_it_fits() -> None:

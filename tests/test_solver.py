@@ -221,20 +221,14 @@ def profiles_with_a_policy(draw: st.DrawFn) -> tuple[object, int]:
     from seqckpt.policies import COMPUTE_HEAVY
 
     prof, _ = draw(profiles())
-    layers = tuple(
-        replace(
-            p,
-            policies=(
-                PolicyCost(
-                    COMPUTE_HEAVY,
-                    draw(st.integers(0, 40)) * 1000,
-                    p.forward_time * draw(st.integers(0, 4)) / 4,
-                ),
-            ),
-        )
-        for p in prof.layers  # type: ignore[attr-defined]
-    )
-    prof = type(prof)(layers, "cpu")  # type: ignore[operator]
+    layers = []
+    for p in prof.layers:  # type: ignore[attr-defined]
+        keeps_output = draw(st.booleans())
+        kept = draw(st.integers(0, 40)) * 1000 + (p.output_bytes if keeps_output else 0)
+        seconds = p.forward_time * draw(st.integers(0, 4)) / 4
+        policy = PolicyCost(COMPUTE_HEAVY, kept, seconds, keeps_output)
+        layers.append(replace(p, policies=(policy,)))
+    prof = type(prof)(tuple(layers), "cpu")  # type: ignore[operator]
     model = CostModel.of(prof)  # type: ignore[arg-type]
     floor, _ = least_memory(model)
     top = model.total((Run(0, len(model)),))[0]
@@ -257,6 +251,27 @@ def test_dp_with_policies_matches_brute_force(case: tuple[object, int]) -> None:
         need, seconds = model.total(items)
         if need <= budget:
             assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
+
+
+@settings(max_examples=40, deadline=None)
+@given(profiles_with_a_policy())
+def test_linear_counts_give_each_plans_time_and_a_floor_under_its_peak(
+    case: tuple[object, int],
+) -> None:
+    from seqckpt.policies import COMPUTE_HEAVY
+
+    prof, _ = case
+    model = CostModel.of(prof)  # type: ignore[arg-type]
+    time_terms, byte_terms = model.linear_terms()
+    for items in all_items_with_policies(0, len(model), [COMPUTE_HEAVY]):
+        need, seconds = model.total(items)
+        time_counts, floor_counts = model.linear_counts(items)
+        assert len(time_counts) == len(time_terms)
+        assert len(floor_counts) == len(byte_terms)
+        dot = sum(c * t for c, t in zip(time_counts, time_terms, strict=True))
+        assert math.isclose(dot, seconds, rel_tol=1e-9), items
+        floor = sum(c * b for c, b in zip(floor_counts, byte_terms, strict=True))
+        assert floor <= need, items
 
 
 def test_a_policy_is_chosen_where_it_pays() -> None:

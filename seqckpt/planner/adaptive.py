@@ -52,6 +52,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from seqckpt._tree import tensors_in
 from seqckpt.planner.budget import format_bytes, parse_budget
 from seqckpt.planner.cost import CostModel
@@ -169,6 +171,10 @@ class Frontier:
         self.slots = slots
         self.tolerance = tolerance
         self.plans: list[Plan] = list(plans)
+        # The plans counted so far with their CostModel.linear_counts, and
+        # those as two matrices (time counts, floor counts), a row per plan.
+        self._counts: tuple[list[Plan], list[tuple[list[int], list[int]]]] = ([], [])
+        self._matrices = (torch.empty(0), torch.empty(0))
         self._classes: set[int] = set()
         self._predictions: dict[int, tuple[ChainProfile, CostModel]] = {}
         self._stale: set[int] = set()
@@ -271,11 +277,7 @@ class Frontier:
             return Plan(everything, need, seconds)
         if _size_class(size) not in self._classes:
             self._add_plans(size, model)
-        best: tuple[float, int, Plan] | None = None
-        for plan in self.plans:
-            need, seconds = model.total(plan.items)
-            if need <= limit and (best is None or seconds < best[0]):
-                best = (seconds, need, plan)
+        best = self._fastest_fitting(model, limit)
         if best is None:
             floor = self._floor(size)
             if floor <= limit:  # between the stored plans' steps: solve exactly
@@ -290,8 +292,45 @@ class Frontier:
                 f"peak plus {HEADROOM:.0%} headroom); give at least that, or a "
                 "smaller batch."
             )
-        seconds, need, plan = best
-        return Plan(plan.items, need, seconds)
+        return best
+
+    def _fastest_fitting(self, model: CostModel, limit: int) -> Plan | None:
+        """The fastest stored plan whose peak under ``model`` is within
+        ``limit``: the plans are ranked by their predicted time, and peaks
+        are computed in that order, skipping those whose floor is already
+        over the limit, until one fits (see :meth:`CostModel.linear_counts`)."""
+        if not self.plans:
+            return None
+        time_counts, floor_counts = self._linear_counts(model)
+        time_terms, byte_terms = model.linear_terms()
+        times = time_counts @ torch.tensor(time_terms, dtype=torch.float64)
+        floors = (floor_counts @ torch.tensor(byte_terms, dtype=torch.float64)).tolist()
+        for index in torch.argsort(times, stable=True).tolist():
+            if floors[index] > limit:
+                continue
+            need, seconds = model.total(self.plans[index].items)
+            if need <= limit:
+                return Plan(self.plans[index].items, need, seconds)
+        return None
+
+    def _linear_counts(self, model: CostModel) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored plans' time and floor counts as two matrices, one row per
+        plan; rows are added as plans are (and all remade if the list of
+        plans was changed otherwise)."""
+        counted, rows = self._counts
+        if len(counted) > len(self.plans) or any(
+            a is not b for a, b in zip(counted, self.plans, strict=False)
+        ):
+            counted, rows = [], []
+        if len(counted) < len(self.plans) or not counted:
+            new = self.plans[len(counted) :]
+            rows = [*rows, *(model.linear_counts(plan.items) for plan in new)]
+            self._counts = ([*counted, *new], rows)
+            self._matrices = (
+                torch.tensor([r[0] for r in rows], dtype=torch.float64),
+                torch.tensor([r[1] for r in rows], dtype=torch.float64),
+            )
+        return self._matrices
 
     def _add_plans(self, size: int, model: CostModel) -> None:
         n = len(model)

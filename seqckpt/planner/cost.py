@@ -138,6 +138,74 @@ class CostModel:
         """(peak bytes, seconds) of a whole-chain plan's items."""
         return self.cost(items, 0)
 
+    def linear_terms(self) -> tuple[list[float], list[int]]:
+        """The figures :meth:`linear_counts` counts. Times: the forward times,
+        the backward times, then each policy's recompute times. Bytes: what
+        each layer keeps, the layers' inputs (and the chain's output), what
+        each layer keeps under each policy, the part of that which is its
+        output, then the last layer's held bytes and backward peak."""
+        n = len(self)
+        return (
+            [
+                *self.forward_time,
+                *self.backward_time,
+                *(t for row in self.recompute_by[1:] for t in row),
+            ],
+            [
+                *self.kept,
+                *self.a,
+                *(b for row in self.kept_by[1:] for b in row),
+                *(b for row in self.output_kept_by[1:] for b in row),
+                self.held[n - 1],
+                self.backward_peak[n - 1],
+            ],
+        )
+
+    def linear_counts(self, items: tuple[Item, ...]) -> tuple[list[int], list[int]]:
+        """Two counts of :meth:`linear_terms` for a whole-chain plan's
+        ``items``, valid at any input size: how often it spends each time
+        figure (its seconds, as :meth:`total` adds them up, are the dot
+        product), and a floor under its peak (what its top-level items hold
+        together while the last one's backward runs). With them the frontier
+        ranks all its stored plans at a new size with two matrix products and
+        computes the peaks of only the few that are faster and may fit."""
+        n, policies = len(self), len(self.policies)
+        seconds = [0] * (n * (1 + policies))
+        floor = [0] * (n + (n + 1) + 2 * n * (policies - 1) + 2)
+
+        def walk(items: tuple[Item, ...], top: bool) -> None:
+            for item in items:
+                if isinstance(item, Run):
+                    for k in range(item.start, item.stop):
+                        seconds[k] += 1
+                        seconds[n + k] += 1
+                        if top:
+                            floor[k if k < n - 1 else len(floor) - 2] += 1
+                    if top and item.stop == n:
+                        floor[-1] += 1  # the last layer's backward peak
+                    continue
+                for k in range(item.start, item.stop):  # the forward keeping nothing
+                    seconds[k] += 1
+                walk(item.inner.items, False)
+                if top and item.stop < n:
+                    floor[n + item.stop] += 1  # its output, held
+                if item.policy is None:
+                    continue
+                p = self.policy_index(item.policy)
+                for run in item.inner.items:  # recomputed under the policy
+                    if isinstance(run, Run):
+                        for k in range(run.start, run.stop):
+                            seconds[k] -= 1
+                            seconds[n * (1 + p) + k] += 1
+                if top:  # what the policy keeps
+                    kept_by = 2 * n + 1 + n * (p - 1)
+                    for k in range(item.start, item.stop):
+                        floor[kept_by + k] += 1
+                    floor[kept_by + n * (policies - 1) + item.stop - 1] -= 1
+
+        walk(items, True)
+        return seconds, floor
+
     def keep_alone(self, i: int, delta: int) -> int:
         """Bytes to run layer ``i`` kept, apart from what the rest needs."""
         return max(
