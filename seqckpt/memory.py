@@ -221,38 +221,64 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         super().__init__()  # type: ignore[no-untyped-call]
         self.live_now = 0
         self.peak_now = 0
-        self.seen: dict[int, int] = {}
-
-    def _forget(self, key: int, nbytes: int) -> None:
-        if self.seen.pop(key, None) is not None:
-            self.live_now -= nbytes
+        # storage id -> a weak reference to it, which forgets it when it dies
+        self.seen: dict[int, _StorageRef] = {}
+        self.me = weakref.ref(self)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs: set[int] | None = None
-        for t in tensors_in(out):
-            if t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            key = id(storage)
-            if key in self.seen:
-                continue
-            if inputs is None:
-                inputs = {
-                    id(i.untyped_storage())
-                    for i in tensors_in((args, kwargs))
-                    if i.device.type != "meta"
-                }
-            if key in inputs:  # a view or in-place result: no new allocation
-                continue
-            nbytes = storage.nbytes()
-            self.seen[key] = nbytes
-            self.live_now += nbytes
-            self.peak_now = max(self.peak_now, self.live_now)
-            weakref.finalize(storage, self._forget, key, nbytes)
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor
+            self._count(out, args, kwargs)
+        else:
+            for t in tensors_in(out):
+                self._count(t, args, kwargs)
         return out
+
+    def _count(self, t: torch.Tensor, args: Any, kwargs: Any) -> None:
+        if t.is_meta:
+            return
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self.seen or _holds(key, args) or _holds(key, kwargs.values()):
+            return  # seen, or a view or in-place result: no new allocation
+        ref = self.seen[key] = _StorageRef(storage, _forget)
+        ref.key, ref.nbytes, ref.owner = key, storage.nbytes(), self.me
+        self.live_now += ref.nbytes
+        if self.live_now > self.peak_now:
+            self.peak_now = self.live_now
+
+
+class _StorageRef(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a counted storage, with what forgetting it needs
+    (the tracker only weakly: no reference cycle through the callback)."""
+
+    __slots__ = ("key", "nbytes", "owner")
+    key: int
+    nbytes: int
+    owner: weakref.ref[_LiveStorages]
+
+
+def _forget(ref: _StorageRef) -> None:
+    tracker = ref.owner()
+    if tracker is not None and tracker.seen.pop(ref.key, None) is not None:
+        tracker.live_now -= ref.nbytes
+
+
+def _holds(key: int, values: Any) -> bool:
+    """Whether a tensor among ``values`` (or in a list or tuple there) has
+    the storage whose id is ``key``."""
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if not v.is_meta and id(v.untyped_storage()) == key:
+                return True
+        elif isinstance(v, (list, tuple, dict)) and any(
+            id(t.untyped_storage()) == key for t in tensors_in(v) if not t.is_meta
+        ):
+            return True
+    return False
 
 
 class _CpuMeter(_Meter):

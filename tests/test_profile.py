@@ -106,3 +106,33 @@ def test_modules_captured_by_plain_callables_are_sandboxed() -> None:
     seqckpt.profile([block, torch.tanh], torch.randn(4, 8), repeats=1)
     assert lin.weight.grad is None and lin.bias.grad is None
     assert torch.equal(bn.running_mean, stats)
+
+
+class FirstCallCache(nn.Module):
+    """Fills a cache (a table it reuses, such as rotary angles) on its first
+    call; the cache is the module's state, not what a step allocates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.randn(4096)
+        return torch.tanh(self.linear(x)) * self.table[0]
+
+
+def test_first_calls_are_not_measured() -> None:
+    x = torch.randn(8, 16, requires_grad=True)
+    warm = FirstCallCache()
+    warm(x)
+    cold = FirstCallCache()
+    (measured_warm,) = seqckpt.profile(nn.Sequential(warm), x, repeats=1).layers
+    # a plain callable meets the module inside the profile (its parameters'
+    # zero gradients are made there) as well as filling the cache there
+    (measured_cold,) = seqckpt.profile([lambda t: cold(t)], x, repeats=1).layers
+    for field in ("nograd_peak_bytes", "forward_peak_bytes", "saved_bytes",
+                  "held_bytes", "backward_peak_bytes"):  # fmt: skip
+        assert getattr(measured_cold, field) == getattr(measured_warm, field), field
+    assert measured_cold.nograd_peak_bytes < 4096 * 4

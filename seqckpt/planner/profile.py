@@ -26,7 +26,7 @@ from seqckpt._chain import as_chain
 from seqckpt._state import RngState, accelerator_devices
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.checkpoint import Options, _Region
-from seqckpt.memory import Stopwatch, track_memory
+from seqckpt.memory import MemoryStats, Stopwatch, track_memory
 from seqckpt.planner.twins import twin_key
 from seqckpt.policies import Policy, as_policy
 
@@ -258,14 +258,14 @@ class _Sandbox:
 
 
 @contextmanager
-def sandbox(devices: tuple[torch.device, ...]) -> Iterator[None]:
+def sandbox(devices: tuple[torch.device, ...]) -> Iterator[_Sandbox]:
     """Run the block, then put back what it changed in the modules it called
     (see :class:`_Sandbox`) and the global RNG state."""
     box = _Sandbox()
     rng = RngState.capture(devices)
     try:
         with watching_modules(box.seen):
-            yield
+            yield box
     finally:
         box.restore()
         rng.restore()
@@ -329,20 +329,17 @@ def _profile_item(
     device: torch.device,
     repeats: int,
     policies: Sequence[Policy],
+    box: _Sandbox,
 ) -> tuple[LayerProfile, Any]:
     # Warm up outside the measurements: the sandbox meets the modules the item
     # calls (and gives their parameters zero gradients), and on CUDA the first
-    # cuBLAS / cuDNN calls allocate workspaces, forward and backward. On the
-    # CPU nothing else persists between calls, so a forward without grad does.
+    # cuBLAS / cuDNN calls allocate workspaces, forward and backward.
     if device.type == "cuda":
         backward_with_loss_grad(item(_fresh(x)))
         _clear_input_grads(x)
-    else:
-        with torch.no_grad():
-            item(_fresh(x))
-    inputs = _fresh(x)
-    with torch.no_grad(), track_memory(device) as nograd:
-        item(inputs)
+    elif isinstance(item, nn.Module):
+        box.seen(item)
+    nograd = _nograd_forward(item, x, device, box)
     inputs = _fresh(x)
     versions = [t._version for t in tensors_in(inputs)]
     with track_memory(device) as mem:
@@ -396,6 +393,24 @@ def _profile_item(
         policies=costs,
     )
     return layer, next_input
+
+
+def _nograd_forward(
+    item: Callable[..., Any], x: Any, device: torch.device, box: _Sandbox
+) -> MemoryStats:
+    """A forward without grad, tracked. On the CPU it is the warm-up too
+    (only the first call of a module differs there): where it met modules
+    the sandbox had not seen or left tensors alive beyond its output (a
+    cache a module fills on its first call), it runs and is measured again."""
+    for again in (False, True):
+        inputs = _fresh(x)
+        met = len(box.visited)
+        with torch.no_grad(), track_memory(device) as stats:
+            item(inputs)
+            left = stats.live_bytes()
+        if again or device.type == "cuda" or (left == 0 and len(box.visited) == met):
+            break
+    return stats
 
 
 def _policy_cost(
@@ -467,8 +482,8 @@ def profile(
     measured one at a time. An item that is a twin of one measured before (the
     same module structure and attributes with an input of the same shapes, see
     :mod:`seqckpt.planner.twins`: the blocks of a transformer) is not measured
-    again: it runs once without grad, for its output, and gets its twin's
-    figures. The chain is sandboxed: its parameters, buffers (e.g.
+    again, nor run: it gets its twin's figures, and its twin's output (of the
+    same shapes) is the next item's input. The chain is sandboxed: its parameters, buffers (e.g.
     BatchNorm statistics), ``.grad`` s, training flags and the global RNG state are
     the same afterwards as before.
 
@@ -501,23 +516,20 @@ def profile(
     device = _device(sample_input, chain)
     devices = accelerator_devices(tensors_in(sample_input))
     layers = []
-    # An item's twin measured earlier: its figures, and which tensors of its
-    # output require grad (a twin's forward runs without grad).
-    measured: dict[Hashable, tuple[LayerProfile, list[bool]]] = {}
-    with sandbox(devices), torch.enable_grad():
+    # An item's twin measured earlier: its figures and its (detached) output,
+    # which stands in for the twin's own as the next item's input.
+    measured: dict[Hashable, tuple[LayerProfile, Any]] = {}
+    with sandbox(devices) as box, torch.enable_grad():
         x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
         for item in chain:
             key = twin_key(item, x) if twins else None
             twin = measured.get(key) if key is not None else None
             if twin is not None:
-                with torch.no_grad():
-                    out = item(_fresh(x))
-                if len(tensors_in(out)) == len(twin[1]):
-                    layers.append(replace(twin[0], name=_name(item)))
-                    x = _detached(out, twin[1])
-                    continue
-            layer, x = _profile_item(item, x, device, repeats, chosen)
+                layers.append(replace(twin[0], name=_name(item)))
+                x = twin[1]
+                continue
+            layer, x = _profile_item(item, x, device, repeats, chosen, box)
             layers.append(layer)
             if key is not None:
-                measured[key] = (layer, [t.requires_grad for t in tensors_in(x)])
+                measured[key] = (layer, x)
     return ChainProfile(tuple(layers), str(device))

@@ -4,7 +4,8 @@ A transformer is a stack of identical blocks, and every block costs what the
 first one costs when it receives an input of the same shape. The profile
 measures the first item of each kind and copies its figures to the items that
 are its twins, so profiling a 24-block model costs about one block's
-measurements plus a forward through the others.
+measurements: the others are not run at all, and the measured twin's output
+stands in for theirs as the next item's input.
 
 Two items are twins when :func:`twin_key` gives them equal keys: the same
 module type and structure all the way down (submodule names and types,
