@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -136,3 +137,12 @@ def test_first_calls_are_not_measured() -> None:
                   "held_bytes", "backward_peak_bytes"):  # fmt: skip
         assert getattr(measured_cold, field) == getattr(measured_warm, field), field
     assert measured_cold.nograd_peak_bytes < 4096 * 4
+
+
+def test_uninitialized_lazy_parameters_are_named() -> None:
+    chain = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.LazyLinear(4))
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match=r"item 2 .*LazyLinear.*run one forward"):
+        seqckpt.profile(chain, x, repeats=1)
+    chain(x)  # initializes them
+    assert len(seqckpt.profile(chain, x, repeats=1)) == 3

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
@@ -447,6 +448,19 @@ def _policy_cost(
     return PolicyCost(policy, kept, statistics.median(watch.seconds()), keeps_output)
 
 
+def _check_initialized(chain: Sequence[Callable[..., Any]]) -> None:
+    for index, item in enumerate(chain):
+        if isinstance(item, nn.Module) and any(
+            is_lazy(p) for p in item.parameters()
+        ):
+            raise ValueError(
+                f"seqckpt: item {index} of the chain ({_name(item)}) has lazy "
+                "parameters that are not initialized yet (nn.LazyLinear and the "
+                "like); run one forward through the model first, e.g. "
+                "model(sample), then profile or plan it."
+            )
+
+
 def _candidates(policies: Sequence[Any]) -> list[Policy]:
     """The distinct policies other than None, in order."""
     if isinstance(policies, (str, Policy)) or not isinstance(policies, Sequence):
@@ -513,6 +527,7 @@ def profile(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"seqckpt: repeats must be an int >= 1, got {repeats!r}.")
     chosen = _candidates(policies)
+    _check_initialized(chain)
     device = _device(sample_input, chain)
     devices = accelerator_devices(tensors_in(sample_input))
     layers = []
