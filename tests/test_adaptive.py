@@ -78,7 +78,7 @@ def test_the_choice_is_the_fastest_stored_plan_that_fits(
     model = frontier._model(size)
     top = frontier.plan_for(size, 10**9).predicted_peak_bytes
     assert top is not None
-    frontier.plan_for(size, top // 2)  # this size class adds its plans
+    frontier.plan_for(size, top // 2)  # plans are stored (a solve if none fits)
     assert len(frontier.plans) > 10
     peaks = 0
     total = CostModel.total
@@ -104,6 +104,22 @@ def test_the_choice_is_the_fastest_stored_plan_that_fits(
         # ranked by time, plans whose floor is over the limit skipped: only a
         # few peaks are computed (the keep-everything check is one)
         assert peaks < len(frontier.plans) / 3, (share, peaks, len(frontier.plans))
+
+
+def test_stored_plans_are_close_to_each_sizes_own_optimum() -> None:
+    from seqckpt.planner.solver import fastest_plan
+
+    model = token_chain()
+    f = seqckpt.plan(model, tokens(64), frontier=True, policies=[None])
+    f.add_profile(input_size(tokens(16)), seqckpt.profile(model, tokens(16), repeats=1))
+    budget = f.plan_for(tokens(40), 10**9).predicted_peak_bytes
+    assert budget is not None
+    for length in (48, 64, 80, 96, 112):  # one solve, at 48: the others reuse it
+        size = input_size(tokens(length))
+        chosen = f.plan_for(size, budget)
+        exact = fastest_plan(f.profile_at(size), int(budget * (1 - HEADROOM)))
+        assert chosen.predicted_time <= 1.02 * exact.predicted_time, length  # type: ignore[operator]
+    assert f.solves == 1
 
 
 def test_keeping_everything_needs_no_solve_where_it_fits() -> None:

@@ -19,8 +19,9 @@ longest shape recomputes far more than short batches need. A
   keep-everything peak (the solver's table holds all of them); those plans are
   stored. For a batch, the fastest stored plan whose predicted peak at that
   batch's size fits the budget is run, without profiling or solving again.
-  The first batch of each new size class (sizes within a factor of two) adds
-  that class's own frontier from its predicted profile.
+  Only when no stored plan fits does the batch's size class (sizes within a
+  factor of two) add its own frontier, from its predicted profile (once per
+  class; beyond that, an exact solve for the batch).
 - **Checks.** :meth:`Frontier.observe` takes a measured peak; when it is more
   than ``tolerance`` (10%) away from the prediction, the next batch of that
   size is profiled again and the fit uses it. ``segments="auto"`` on CUDA
@@ -234,9 +235,7 @@ class Frontier:
         self.points = [(x, p) for x, p in self.points if x != size] + [(size, profile)]
         self._stale.discard(_size_class(size))
         self._predictions.clear()
-        # The profiled size's class solves again with its measured profile;
-        # the others keep their plans, which are chosen among by the new fit.
-        self._classes.discard(_size_class(size))
+        # The stored plans stay: the new fit ranks them at every size.
 
     def first_of_class(self, size: int) -> bool:
         """True the first time it is asked about a size class (sizes within a
@@ -264,9 +263,10 @@ class Frontier:
     def plan_for(self, input: Any, budget: int | str) -> Plan:
         """The fastest stored plan whose predicted peak for ``input`` (a batch,
         or its size in elements) fits ``budget``: keeping every activation
-        when that fits (no plan is faster), else the first batch of a new size
-        class first adds that class's frontier. Raises ``PlanError`` naming the
-        smallest budget that would fit when none does."""
+        when that fits (no plan is faster). Where no stored plan fits, the
+        input's size class adds its frontier (once), else an exact solve
+        gives the plan. Raises ``PlanError`` naming the smallest budget that
+        would fit when none does."""
         size = input if isinstance(input, int) else input_size(input)
         given = parse_budget(budget)
         limit = int(given * (1 - HEADROOM))
@@ -275,9 +275,10 @@ class Frontier:
         need, seconds = model.total(everything)
         if need <= limit:  # nothing is faster than keeping every activation
             return Plan(everything, need, seconds)
-        if _size_class(size) not in self._classes:
-            self._add_plans(size, model)
         best = self._fastest_fitting(model, limit)
+        if best is None and _size_class(size) not in self._classes:
+            self._add_plans(size, model)
+            best = self._fastest_fitting(model, limit)
         if best is None:
             floor = self._floor(size)
             if floor <= limit:  # between the stored plans' steps: solve exactly

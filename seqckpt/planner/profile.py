@@ -450,9 +450,7 @@ def _policy_cost(
 
 def _check_initialized(chain: Sequence[Callable[..., Any]]) -> None:
     for index, item in enumerate(chain):
-        if isinstance(item, nn.Module) and any(
-            is_lazy(p) for p in item.parameters()
-        ):
+        if isinstance(item, nn.Module) and any(is_lazy(p) for p in item.parameters()):
             raise ValueError(
                 f"seqckpt: item {index} of the chain ({_name(item)}) has lazy "
                 "parameters that are not initialized yet (nn.LazyLinear and the "
