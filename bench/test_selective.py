@@ -49,6 +49,10 @@ from seqckpt.planner.frontier import torch_every_block, torch_sac_every_block
 
 GPT = "gpt"
 PAIRS = 9
+# The ratio a target is stated on ("never slower") is measured over more
+# pairs: seqckpt and torch running the same schedule differ by about 1.5%,
+# which nine pairs on this shared machine cannot resolve.
+TARGET_PAIRS = 25
 PER_BLOCK: dict[str, Forward] = {
     "plain": plain,
     "torch_nonreentrant": torch_every_block,
@@ -110,7 +114,7 @@ def test_plan_at_torch_peak(benchmark, variant: str) -> None:  # type: ignore[no
         budget_bytes=budget,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         peak_bytes=peak_bytes(model, x, forward),
-        paired_x_torch=paired_ratio(model, x, forward, theirs, PAIRS),
+        paired_x_torch=paired_ratio(model, x, forward, theirs, TARGET_PAIRS),
         overhead_ours=ours_x_plain - 1,
         overhead_torch=theirs_x_plain - 1,
         policies=sorted(

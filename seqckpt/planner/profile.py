@@ -506,10 +506,11 @@ def profile(
         policies: policies (other than None) to measure each item under, for
             :func:`seqckpt.plan` to choose among: what the item keeps under each
             and the time of its recompute (see :mod:`seqckpt.policies`).
-        twins: give twins of a measured item its figures instead of measuring
-            them. False measures every item: for blocks whose cost depends on
-            the values they see (mixture-of-experts routing, token dropping),
-            or to see each item's own timing.
+        twins: give twins of a measured item its figures (and its output as
+            the next item's input) instead of measuring and running them.
+            False measures every item: for blocks whose cost or output shape
+            depends on the values they see (mixture-of-experts routing, token
+            dropping), or to see each item's own timing.
 
     Returns:
         A :class:`ChainProfile`; pass it to :func:`seqckpt.plan`.

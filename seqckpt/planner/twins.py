@@ -16,9 +16,9 @@ their own, and inputs of the same structure, shapes, strides, dtypes and
 devices. An attribute that differs (a per-layer index, a dilation, a drop
 rate) makes two blocks distinct: the test errs on the side of measuring.
 TorchScript modules and items that are not modules (functions) are twins only
-of themselves. Blocks whose cost depends on the values they see (mixture-of-
-experts routing, token dropping) are twins by this test too; profile them
-with ``seqckpt.profile(..., twins=False)``.
+of themselves. Blocks whose cost or output shape depends on the values they
+see (mixture-of-experts routing, token dropping) are twins by this test too;
+profile them with ``seqckpt.profile(..., twins=False)``.
 
 Example:
     >>> import torch
