@@ -268,7 +268,7 @@ def _forget(ref: _StorageRef) -> None:
 
 
 def _holds(key: int, values: Any) -> bool:
-    """Whether a tensor among ``values`` (or in a list or tuple there) has
+    """Whether a tensor among ``values`` (or in a list, tuple or dict there) has
     the storage whose id is ``key``."""
     for v in values:
         if isinstance(v, torch.Tensor):

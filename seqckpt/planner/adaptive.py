@@ -323,7 +323,7 @@ class Frontier:
             a is not b for a, b in zip(counted, self.plans, strict=False)
         ):
             counted, rows = [], []
-        if len(counted) < len(self.plans) or not counted:
+        if len(counted) < len(self.plans):
             new = self.plans[len(counted) :]
             rows = [*rows, *(model.linear_counts(plan.items) for plan in new)]
             self._counts = ([*counted, *new], rows)

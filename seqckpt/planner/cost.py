@@ -173,8 +173,12 @@ class CostModel:
         seconds = [0] * (n * (1 + policies))
         floor = [0] * (n + (n + 1) + 2 * n * (policies - 1) + 2)
 
-        def walk(items: tuple[Item, ...], top: bool) -> None:
-            for item in items:
+        # (items, at the top level); a stack, not a recursive closure (which
+        # would be a reference cycle left to the garbage collector)
+        pending: list[tuple[tuple[Item, ...], bool]] = [(items, True)]
+        while pending:
+            level, top = pending.pop()
+            for item in level:
                 if isinstance(item, Run):
                     for k in range(item.start, item.stop):
                         seconds[k] += 1
@@ -186,7 +190,7 @@ class CostModel:
                     continue
                 for k in range(item.start, item.stop):  # the forward keeping nothing
                     seconds[k] += 1
-                walk(item.inner.items, False)
+                pending.append((item.inner.items, False))
                 if top and item.stop < n:
                     floor[n + item.stop] += 1  # its output, held
                 if item.policy is None:
@@ -202,8 +206,6 @@ class CostModel:
                     for k in range(item.start, item.stop):
                         floor[kept_by + k] += 1
                     floor[kept_by + n * (policies - 1) + item.stop - 1] -= 1
-
-        walk(items, True)
         return seconds, floor
 
     def keep_alone(self, i: int, delta: int) -> int:
