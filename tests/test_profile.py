@@ -146,3 +146,27 @@ def test_uninitialized_lazy_parameters_are_named() -> None:
         seqckpt.profile(chain, x, repeats=1)
     chain(x)  # initializes them
     assert len(seqckpt.profile(chain, x, repeats=1)) == 3
+
+
+def test_policy_costs_include_the_forward_under_the_policy() -> None:
+    from seqckpt.planner import ChainProfile
+
+    chain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    prof = seqckpt.profile(
+        chain, torch.randn(16, 32), repeats=2, policies=("compute_heavy",)
+    )
+    for layer in prof.layers:
+        (cost,) = layer.policies
+        assert cost.forward_time is not None and cost.forward_time > 0
+        assert layer.forward_time_under(cost) == cost.forward_time
+    again = ChainProfile.from_dict(prof.to_dict())
+    assert again == prof
+    # a profile written before the field: the plain forward's time stands in
+    data = prof.to_dict()
+    for row in data["layers"]:
+        for cost in row["policies"]:
+            del cost["forward_time"]
+    old = ChainProfile.from_dict(data)
+    for layer in old.layers:
+        assert layer.policies[0].forward_time is None
+        assert layer.forward_time_under(layer.policies[0]) == layer.forward_time

@@ -226,7 +226,8 @@ def profiles_with_a_policy(draw: st.DrawFn) -> tuple[object, int]:
         keeps_output = draw(st.booleans())
         kept = draw(st.integers(0, 40)) * 1000 + (p.output_bytes if keeps_output else 0)
         seconds = p.forward_time * draw(st.integers(0, 4)) / 4
-        policy = PolicyCost(COMPUTE_HEAVY, kept, seconds, keeps_output)
+        forward = p.forward_time * draw(st.integers(4, 6)) / 4  # choosing costs
+        policy = PolicyCost(COMPUTE_HEAVY, kept, seconds, keeps_output, forward)
         layers.append(replace(p, policies=(policy,)))
     prof = type(prof)(tuple(layers), "cpu")  # type: ignore[operator]
     model = CostModel.of(prof)  # type: ignore[arg-type]
@@ -300,3 +301,21 @@ def test_a_policy_is_chosen_where_it_pays() -> None:
         int(top * 0.6),
     )
     assert plan.predicted_time < without.predicted_time  # type: ignore[operator]
+
+
+def test_a_policy_whose_forward_costs_more_than_it_saves_is_not_chosen() -> None:
+    # The same cheap recompute as above, but choosing what to keep makes the
+    # stretch's forward slower by more than the recompute saves.
+    from dataclasses import replace
+
+    from seqckpt.planner.profile import PolicyCost
+    from seqckpt.policies import COMPUTE_HEAVY
+
+    prof = equal_layers(12)
+    top = CostModel.of(prof).total((Run(0, 12),))[0]
+    for forward, chosen in ((1.0, True), (3.0, False)):
+        cost = PolicyCost(COMPUTE_HEAVY, 100, 0.1, forward_time=forward)
+        layers = tuple(replace(p, policies=(cost,)) for p in prof.layers)
+        plan = fastest_plan(type(prof)(layers, "cpu"), int(top * 0.6))
+        policies = [i.policy for i in plan.items if isinstance(i, Recompute)]
+        assert (COMPUTE_HEAVY in policies) is chosen, forward

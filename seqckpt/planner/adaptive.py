@@ -131,6 +131,9 @@ def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
                 _bytes_at(size, [(x, m.policies[q].kept_bytes) for x, m in at]),
                 _seconds_at(size, [(x, m.policies[q].recompute_time) for x, m in at]),
                 cost.keeps_output,
+                _seconds_at(
+                    size, [(x, m.forward_time_under(m.policies[q])) for x, m in at]
+                ),
             )
             for q, cost in enumerate(layer.policies)
         )

@@ -53,6 +53,7 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
             sum(p.policies[q].kept_bytes for p in layers),
             sum(p.policies[q].recompute_time for p in layers),
             layers[-1].policies[q].keeps_output,
+            sum(p.forward_time_under(p.policies[q]) for p in layers),
         )
         for q, cost in enumerate(layers[0].policies)
     )

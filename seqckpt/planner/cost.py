@@ -17,8 +17,9 @@ it), so every backward and every recompute runs with it.
   the gradient of ``x_j`` live;
 - recompute ``i..j-1`` under a policy (selective saving): its forward also keeps
   what the policy selects (``K`` bytes, counted from that forward until the
-  stretch's recompute), and the recompute of the layers its inner plan runs
-  plainly takes their measured recompute time instead of a full forward.
+  stretch's recompute) and takes its measured time under the policy, and the
+  recompute of the layers its inner plan runs plainly takes their measured
+  recompute time instead of a full forward.
 
 The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model over
 plans whose stretches with a policy recompute flat (their inner plan keeps every
@@ -48,8 +49,9 @@ class CostModel:
     start from modified values. ``policies[p]`` is a policy the profile measured
     (``policies[0]`` is None), ``kept_by[p][k]`` what layer ``k`` keeps under it
     (its output included when kept: ``output_kept_by[p][k]`` bytes, not kept
-    again when the layer ends a stretch) and ``recompute_by[p][k]`` the seconds
-    of its recompute under it.
+    again when the layer ends a stretch), ``recompute_by[p][k]`` the seconds
+    of its recompute under it and ``forward_by[p][k]`` those of its
+    checkpointed forward under it (choosing what to keep costs time).
     """
 
     a: list[int]
@@ -65,6 +67,7 @@ class CostModel:
     kept_by: list[list[int]]
     output_kept_by: list[list[int]]
     recompute_by: list[list[float]]
+    forward_by: list[list[float]]
 
     @staticmethod
     def of(profile: ChainProfile) -> CostModel:
@@ -101,6 +104,11 @@ class CostModel:
             recompute_by=[[p.forward_time for p in layers]]
             + [
                 [p.policies[q].recompute_time for p in layers]
+                for q in range(len(profile.policies))
+            ],
+            forward_by=[[p.forward_time for p in layers]]
+            + [
+                [p.forward_time_under(p.policies[q]) for p in layers]
                 for q in range(len(profile.policies))
             ],
         )
@@ -140,7 +148,8 @@ class CostModel:
 
     def linear_terms(self) -> tuple[list[float], list[int]]:
         """The figures :meth:`linear_counts` counts. Times: the forward times,
-        the backward times, then each policy's recompute times. Bytes: what
+        the backward times, then each policy's recompute times, then each
+        policy's forward times. Bytes: what
         each layer keeps, the layers' inputs (and the chain's output), what
         each layer keeps under each policy, the part of that which is its
         output, then the last layer's held bytes and backward peak."""
@@ -150,6 +159,7 @@ class CostModel:
                 *self.forward_time,
                 *self.backward_time,
                 *(t for row in self.recompute_by[1:] for t in row),
+                *(t for row in self.forward_by[1:] for t in row),
             ],
             [
                 *self.kept,
@@ -170,7 +180,7 @@ class CostModel:
         ranks all its stored plans at a new size with two matrix products and
         computes the peaks of only the few that are faster and may fit."""
         n, policies = len(self), len(self.policies)
-        seconds = [0] * (n * (1 + policies))
+        seconds = [0] * (2 * n * policies)
         floor = [0] * (n + (n + 1) + 2 * n * (policies - 1) + 2)
 
         # (items, at the top level); a stack, not a recursive closure (which
@@ -188,14 +198,16 @@ class CostModel:
                     if top and item.stop == n:
                         floor[-1] += 1  # the last layer's backward peak
                     continue
-                for k in range(item.start, item.stop):  # the forward keeping nothing
-                    seconds[k] += 1
+                p = 0 if item.policy is None else self.policy_index(item.policy)
+                # its forward keeping nothing (or what the policy selects)
+                forward = 0 if p == 0 else n * (policies + p)
+                for k in range(item.start, item.stop):
+                    seconds[forward + k] += 1
                 pending.append((item.inner.items, False))
                 if top and item.stop < n:
                     floor[n + item.stop] += 1  # its output, held
-                if item.policy is None:
+                if p == 0:
                     continue
-                p = self.policy_index(item.policy)
                 for run in item.inner.items:  # recomputed under the policy
                     if isinstance(run, Run):
                         for k in range(run.start, run.stop):
@@ -242,6 +254,9 @@ class CostModel:
                 if item.policy is not None:
                     p = self.policy_index(item.policy)
                     kept = self.stretch_kept(p, item.start, item.stop)
+                    forward = sum(
+                        self.forward_by[p][k] for k in range(item.start, item.stop)
+                    )
                     # layers the inner plan runs plainly are recomputed under
                     # the policy: their recompute time, not a full forward
                     inner_time -= sum(

@@ -76,6 +76,10 @@ class LayerProfile:
     returns_input: bool = False
     policies: tuple[PolicyCost, ...] = ()
 
+    def forward_time_under(self, cost: PolicyCost) -> float:
+        """Seconds of its checkpointed forward under ``cost``'s policy."""
+        return self.forward_time if cost.forward_time is None else cost.forward_time
+
 
 @dataclass(frozen=True)
 class PolicyCost:
@@ -90,12 +94,16 @@ class PolicyCost:
         keeps_output: the policy keeps the item's output: inside a stretch it
             is kept like any other result; at the stretch's end it is the
             stretch's output, which is held anyway.
+        forward_time: seconds of its checkpointed forward under the policy
+            (choosing what to keep costs time on every op); None in profiles
+            written before it was measured, read as the plain forward's time.
     """
 
     policy: Policy
     kept_bytes: int
     recompute_time: float
     keeps_output: bool = False
+    forward_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,11 @@ class ChainProfile:
         head: tuple[str, ...] = ("#", "item", "fwd ms", "bwd ms", "in MiB",
                 "out MiB", "saved MiB", "fwd peak MiB", "bwd peak MiB")  # fmt: skip
         for policy in self.policies:
-            head += (f"{policy} kept MiB", f"{policy} recompute ms")
+            head += (
+                f"{policy} kept MiB",
+                f"{policy} fwd ms",
+                f"{policy} recompute ms",
+            )
         rows = [head]
         for i, p in enumerate(self.layers):
             rows.append(
@@ -132,6 +144,7 @@ class ChainProfile:
                         for c in p.policies
                         for value in (
                             f"{c.kept_bytes / 2**20:.3f}",
+                            f"{p.forward_time_under(c) * 1e3:.3f}",
                             f"{c.recompute_time * 1e3:.3f}",
                         )
                     ),
@@ -165,6 +178,7 @@ class ChainProfile:
                     "kept_bytes": c.kept_bytes,
                     "recompute_time": c.recompute_time,
                     "keeps_output": c.keeps_output,
+                    "forward_time": c.forward_time,
                 }
                 for c in p.policies
             ]
@@ -183,6 +197,7 @@ class ChainProfile:
                     int(c["kept_bytes"]),
                     float(c["recompute_time"]),
                     bool(c.get("keeps_output", False)),
+                    None if c.get("forward_time") is None else float(c["forward_time"]),
                 )
                 for c in row.get("policies", ())
             )
@@ -371,7 +386,7 @@ def _profile_item(
     costs = tuple(
         # An item that writes into its input cannot be a region by itself; it
         # is charged as recomputed in full, keeping nothing.
-        PolicyCost(policy, 0, forward_time)
+        PolicyCost(policy, 0, forward_time, forward_time=forward_time)
         if modifies_input
         else _policy_cost(item, x, device, policy, output_bytes, repeats)
         for policy in policies
@@ -423,11 +438,10 @@ def _policy_cost(
     repeats: int,
 ) -> PolicyCost:
     """What ``item`` keeps when checkpointed under ``policy`` (live bytes after
-    its checkpointed forward, less its output unless the policy keeps that)
-    and the median seconds of its recompute alone (run to its end, as inside a
-    longer stretch)."""
+    its checkpointed forward, less its output unless the policy keeps that),
+    and the median seconds of that forward and of its recompute alone (run to
+    its end, as inside a longer stretch)."""
     options = Options(early_stop=False, policy=policy)
-    watch = Stopwatch(device)
     inputs = _fresh(x)  # made outside the tracker: the caller holds it
     with track_memory(device) as mem:
         region = _Region(item, (inputs,), {}, options, None)
@@ -437,15 +451,20 @@ def _policy_cost(
         keeps_output = bool(_storages(out)) and _storages(out) <= kept_storages
         kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
         kept = max(0, kept)
-    del inputs
-    watch.run(region._recompute)  # timed outside the tracker
-    for _ in range(repeats - 1):
-        del out, region
+    del inputs, out, region
+    forwards, recomputes = Stopwatch(device), Stopwatch(device)
+    for _ in range(repeats):  # timed outside the tracker
         region = _Region(item, (_fresh(x),), {}, options, None)
-        out = region.run()
-        watch.run(region._recompute)
-    del out, region
-    return PolicyCost(policy, kept, statistics.median(watch.seconds()), keeps_output)
+        out = forwards.run(region.run)
+        recomputes.run(region._recompute)
+        del out, region
+    return PolicyCost(
+        policy,
+        kept,
+        statistics.median(recomputes.seconds()),
+        keeps_output,
+        statistics.median(forwards.seconds()),
+    )
 
 
 def _check_initialized(chain: Sequence[Callable[..., Any]]) -> None:

@@ -139,6 +139,7 @@ class _Tables:
         self.F = prefix(model.forward_time)
         self.B = prefix(model.backward_time)
         self.R = [prefix(r) for r in model.recompute_by]
+        self.PF = [prefix(f) for f in model.forward_by]
         self.K = [prefix(k) for k in model.kept_by]
         self.OK = [torch.tensor(k + [0], dtype=f64) for k in model.output_kept_by]
         # nograd[i, j]: bytes of running i..j-1 keeping nothing (input of i not
@@ -313,7 +314,8 @@ def _table(
                     m = int(fits.max()) + 1
                     c, f = cuts[:, :m], firsts[:, :m]
                     kept = tables.K[p][c] - tables.K[p][f] - tables.OK[p][c - 1]
-                    seconds = forward[:, :m] + tables.R[p][c] - tables.R[p][f]
+                    seconds = tables.PF[p][c] - tables.PF[p][f]
+                    seconds += tables.R[p][c] - tables.R[p][f]
                     seconds += tables.B[c] - tables.B[f] + ties[:, :m]
                     total = _gather_shifted(after[:, :m], _ceil_slots(kept, unit))
                     total += seconds.to(dtype)[..., None]
