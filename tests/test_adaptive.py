@@ -104,6 +104,13 @@ def test_the_choice_is_the_fastest_stored_plan_that_fits(
         # ranked by time, plans whose floor is over the limit skipped: only a
         # few peaks are computed (the keep-everything check is one)
         assert peaks < len(frontier.plans) / 3, (share, peaks, len(frontier.plans))
+    # a list of plans changed otherwise than appended to is counted anew
+    frontier.plans = frontier.plans[::-2]
+    again = frontier.plan_for(size, int(top * 0.55))
+    costs = [model.total(plan.items) for plan in frontier.plans]
+    limit = int(top * 0.55 * (1 - HEADROOM))
+    fastest = min(seconds for need, seconds in costs if need <= limit)
+    assert math.isclose(again.predicted_time, fastest, rel_tol=1e-12)  # type: ignore[arg-type]
 
 
 def test_stored_plans_are_close_to_each_sizes_own_optimum() -> None:

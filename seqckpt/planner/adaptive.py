@@ -175,10 +175,10 @@ class Frontier:
         self.slots = slots
         self.tolerance = tolerance
         self.plans: list[Plan] = list(plans)
-        # The plans counted so far with their CostModel.linear_counts, and
-        # those as two matrices (time counts, floor counts), a row per plan.
-        self._counts: tuple[list[Plan], list[tuple[list[int], list[int]]]] = ([], [])
-        self._matrices = (torch.empty(0), torch.empty(0))
+        # The plans counted so far, and their CostModel.linear_counts as two
+        # matrices (time counts, floor counts), a row per plan.
+        self._counted: list[Plan] = []
+        self._matrices: tuple[torch.Tensor, torch.Tensor] | None = None
         self._classes: set[int] = set()
         self._predictions: dict[int, tuple[ChainProfile, CostModel]] = {}
         self._stale: set[int] = set()
@@ -321,19 +321,21 @@ class Frontier:
         """The stored plans' time and floor counts as two matrices, one row per
         plan; rows are added as plans are (and all remade if the list of
         plans was changed otherwise)."""
-        counted, rows = self._counts
+        counted = self._counted
         if len(counted) > len(self.plans) or any(
             a is not b for a, b in zip(counted, self.plans, strict=False)
         ):
-            counted, rows = [], []
-        if len(counted) < len(self.plans):
-            new = self.plans[len(counted) :]
-            rows = [*rows, *(model.linear_counts(plan.items) for plan in new)]
-            self._counts = ([*counted, *new], rows)
-            self._matrices = (
-                torch.tensor([r[0] for r in rows], dtype=torch.float64),
-                torch.tensor([r[1] for r in rows], dtype=torch.float64),
-            )
+            counted, self._matrices = [], None
+        new = self.plans[len(counted) :]
+        if new:
+            rows = [model.linear_counts(plan.items) for plan in new]
+            times = torch.tensor([r[0] for r in rows], dtype=torch.float64)
+            floors = torch.tensor([r[1] for r in rows], dtype=torch.float64)
+            if self._matrices is not None:
+                times = torch.cat((self._matrices[0], times))
+                floors = torch.cat((self._matrices[1], floors))
+            self._counted, self._matrices = [*counted, *new], (times, floors)
+        assert self._matrices is not None  # the caller has plans
         return self._matrices
 
     def _add_plans(self, size: int, model: CostModel) -> None:
