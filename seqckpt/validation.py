@@ -26,8 +26,12 @@ from seqckpt.sequential import checkpoint_sequential
 
 __all__ = ["validate"]
 
-# On CUDA without deterministic algorithms, gradients are compared with this.
+# On CUDA without deterministic algorithms, gradients are compared with this,
+# or against the device's own floor: a gradient passes when it is within
+# NOISE_FACTOR times the difference between two plain runs (cuDNN's convolution
+# backward, for one, sums in an order that changes from run to run).
 CUDA_RTOL, CUDA_ATOL = 1e-4, 1e-6
+NOISE_FACTOR = 4.0
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -93,6 +97,34 @@ def _differences(
     return grads_equal, buffers_equal, max_diff, pairs
 
 
+def grads_close(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    baseline: list[tuple[torch.Tensor, torch.Tensor]],
+) -> bool:
+    """Whether every checkpointed gradient matches the plain one on a device
+    whose kernels are not deterministic: ``allclose(rtol=CUDA_RTOL,
+    atol=CUDA_ATOL)``, or a largest difference at most ``NOISE_FACTOR`` times
+    the one between two plain runs of the same tensor (``baseline``, pairs in
+    the same order). A zero floor leaves only ``allclose``.
+
+    Example:
+        >>> a = torch.tensor([1.0, 2.0])
+        >>> grads_close([(a, a + 1e-3)], [(a, a + 5e-4)])
+        True
+        >>> grads_close([(a, a + 1e-2)], [(a, a + 5e-4)])
+        False
+    """
+
+    def largest(u: torch.Tensor, v: torch.Tensor) -> float:
+        return (u.float() - v.float()).abs().max().item() if u.numel() else 0.0
+
+    return all(
+        torch.allclose(a, b, rtol=CUDA_RTOL, atol=CUDA_ATOL)
+        or largest(a, b) <= NOISE_FACTOR * largest(c, d)
+        for (a, b), (c, d) in zip(pairs, baseline, strict=True)
+    )
+
+
 def validate_one(
     name: str,
     device: torch.device,
@@ -131,6 +163,10 @@ def validate_one(
     }
     peaks, reserved = {}, {}
     for label, (m, forward) in runs.items():
+        if device.type == "cuda":
+            # Reserved growth is each variant's own: not served from blocks an
+            # earlier variant left cached.
+            torch.cuda.empty_cache()
         with track_memory(device) as mem:
             _step(m, x, forward)
         peaks[label], reserved[label] = mem.peak_bytes, mem.peak_reserved_bytes
@@ -138,16 +174,17 @@ def validate_one(
     grads_equal, buffers_equal, max_diff, pairs = _differences(
         reference, runs["checkpointed"][0]
     )
-    *_, baseline_diff, _ = _differences(reference, runs["plain again"][0])
+    *_, baseline_diff, baseline = _differences(reference, runs["plain again"][0])
     bitwise = grads_equal and buffers_equal
     deterministic = device.type == "cpu" or torch.are_deterministic_algorithms_enabled()
     if deterministic:
         grads_ok, rule = grads_equal, "bitwise"
     else:
-        grads_ok = all(
-            torch.allclose(a, b, rtol=CUDA_RTOL, atol=CUDA_ATOL) for a, b in pairs
+        grads_ok = grads_close(pairs, baseline)
+        rule = (
+            f"allclose(rtol={CUDA_RTOL}, atol={CUDA_ATOL}) or within "
+            f"{NOISE_FACTOR:g}x the plain-vs-plain difference"
         )
-        rule = f"allclose(rtol={CUDA_RTOL}, atol={CUDA_ATOL})"
 
     # Timing: every variant is warm by now.
     ckpt_model = runs["checkpointed"][0]
@@ -214,8 +251,9 @@ def validate(
     CUDA reserved), the step-time ratio (median of ``3`` steps each) and whether
     gradients and buffers match. Gradients: bitwise on the CPU and with
     deterministic algorithms (see :func:`make_deterministic`), otherwise
-    ``allclose(rtol=1e-4, atol=1e-6)``, with the plain-vs-plain difference
-    reported beside it as the device's own floor. Buffers (BatchNorm
+    ``allclose(rtol=1e-4, atol=1e-6)`` or, per tensor, within 4x the
+    difference between two plain runs (the device's own floor, also reported;
+    see :func:`grads_close`). Buffers (BatchNorm
     statistics): always exactly.
 
     Args:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import seqckpt
 from seqckpt.__main__ import main
@@ -101,6 +102,26 @@ def test_import_prints_nothing() -> None:
 def test_validate_on_cuda() -> None:
     rows = seqckpt.validate("all", device="cuda")
     assert all(r["ok"] for r in rows), rows
+
+
+def test_grads_close_uses_the_plain_vs_plain_floor() -> None:
+    """Without deterministic kernels a gradient passes within allclose or within
+    NOISE_FACTOR times the plain-vs-plain difference of the same tensor; a zero
+    floor or a difference far above it fails."""
+    from seqckpt.validation import NOISE_FACTOR, grads_close
+
+    g = torch.linspace(-1.0, 1.0, 64)
+    noise = torch.zeros(64)
+    noise[3] = 1e-3  # far outside allclose(rtol=1e-4, atol=1e-6) near zero
+    assert not grads_close([(g, g + noise)], [(g, g.clone())])
+    assert grads_close([(g, g + noise)], [(g, g + noise / 2)])
+    assert grads_close([(g, g + noise)], [(g, g + noise / (NOISE_FACTOR / 2))])
+    assert not grads_close([(g, g + noise)], [(g, g + noise / (2 * NOISE_FACTOR))])
+    # tensor by tensor: another tensor's large floor does not excuse this one
+    h = torch.ones(8)
+    assert not grads_close(
+        [(g, g + noise), (h, h + 1)], [(g, g + noise), (h, h.clone())]
+    )
 
 
 def test_validate_compares_buffers_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
