@@ -143,6 +143,7 @@ bench bench_suite 150 bench/test_suite.py
 bench bench_planner 90 bench/test_planner.py
 bench bench_selective 120 bench/test_selective.py
 bench bench_shapes 90 bench/test_shapes.py
+bench bench_torchscript 60 bench/test_torchscript.py
 
 if [[ "$mode" == gpu ]]; then
     step frontier 90 "" "$python" -m seqckpt plan --model resnet --device cuda \

@@ -637,7 +637,7 @@ class _Region:
             if type(index) is tuple:
                 held, version = index
                 if held._version != version:
-                    raise self._modified_input(held)
+                    raise self._modified_input(held, version)
                 return held  # type: ignore[no-any-return]
             return index  # type: ignore[no-any-return]
         saved = self.recomputed
@@ -653,8 +653,8 @@ class _Region:
             assert self.inputs is not None and self.versions is not None
             if [t._version for t in self.inputs] != self.versions:
                 raise self._modified_input(
-                    next(
-                        t
+                    *next(
+                        (t, v)
                         for t, v in zip(self.inputs, self.versions)  # noqa: B905
                         if t._version != v
                     )
@@ -666,14 +666,17 @@ class _Region:
             self.kwargs, tensors[len(tensors_in(self.args)) :]
         )
 
-    def _modified_input(self, t: torch.Tensor) -> CheckpointError:
+    def _modified_input(self, t: torch.Tensor, expected: int) -> CheckpointError:
         assert self.inputs is not None
         i = next(i for i, u in enumerate(self.inputs) if u is t)
         return CheckpointError(
             f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
             f"checkpointed {_name(self.function)} was modified in place "
-            "after it was passed in, so backward would see other values. Pass a "
-            "clone, or move the in-place operation after the backward."
+            "after it was passed in, so backward would see other values (one of "
+            "the variables needed for gradient computation has been modified by "
+            "an inplace operation: it is at version "
+            f"{t._version}; expected version {expected} instead). Pass a clone, or "
+            "move the in-place operation after the backward."
         )
 
     def _recompute(self) -> list[torch.Tensor | None]:

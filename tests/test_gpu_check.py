@@ -31,7 +31,8 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert set(steps) == {
         "environment", "cuda_tests", "clients", "validate", "validate_deterministic",
         "validate_json", "bench_overhead", "bench_suite", "bench_planner",
-        "bench_selective", "bench_shapes", "frontier", "frontier_gpt",
+        "bench_selective", "bench_shapes", "bench_torchscript", "frontier",
+        "frontier_gpt",
     }  # fmt: skip
     assert all(status == "ok" for status in steps.values()), steps
     assert "bitwise equal" in (tmp_path / "validate.txt").read_text()

@@ -238,6 +238,28 @@ def test_errors_carry_the_words_of_torchs(
         y.sum().backward()
 
 
+def test_an_input_modified_in_place_raises_with_torchs_words() -> None:
+    """torch (plain and checkpointed) raises the engine's "modified by an inplace
+    operation" error; ours is a CheckpointError (a RuntimeError) with the same
+    words and both versions."""
+    words = (
+        "one of the variables needed for gradient computation has been "
+        "modified by an inplace operation"
+    )
+    for run in (
+        lambda f, t: tc.checkpoint(f, t, use_reentrant=False),
+        lambda f, t: checkpoint(f, t),
+    ):
+        x = torch.randn(3, requires_grad=True)
+        h = x * 1
+        y = run(torch.sin, h)
+        h.mul_(2)
+        with pytest.raises(RuntimeError, match=words) as raised:
+            y.sum().backward()
+    assert isinstance(raised.value, tc.CheckpointError)
+    assert "at version 1; expected version 0" in str(raised.value)
+
+
 def test_checkpoint_error_is_torchs_checkpoint_error() -> None:
     state = {"flip": False}
 
