@@ -239,7 +239,7 @@ def test_errors_carry_the_words_of_torchs(
 
 
 def test_an_input_modified_in_place_raises_with_torchs_words() -> None:
-    """torch (plain and checkpointed) raises the engine's "modified by an inplace
+    """torch's checkpoint raises the engine's "modified by an inplace
     operation" error; ours is a CheckpointError (a RuntimeError) with the same
     words and both versions."""
     words = (
