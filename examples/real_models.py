@@ -90,6 +90,12 @@ def check_torchvision() -> dict[str, tuple[int, int]]:
     for name in ("resnet18", "resnet50"):
         build = functools.partial(getattr(torchvision.models, name), num_classes=10)
         found[name] = compare(build, x, seqckpt.checkpoint_blocks)
+    # Stochastic depth draws random numbers in every block: replayed.
+    for name in ("efficientnet_b0", "swin_t"):
+        build = functools.partial(getattr(torchvision.models, name), num_classes=10)
+        found[name] = compare(
+            build, torch.randn(2, 3, 64, 64), seqckpt.checkpoint_blocks
+        )
     return found
 
 
@@ -104,8 +110,11 @@ def check_timm() -> dict[str, tuple[int, int]]:
         ("vit_tiny_patch16_224", 128),
         ("convnext_atto", 128),
         ("resnet18", 128),
+        ("deit_tiny_patch16_224", 96),
     ):
-        extra = {"img_size": size} if name.startswith("vit") else {}
+        extra: dict[str, Any] = {"img_size": size} if "patch16" in name else {}
+        if name.startswith("deit"):  # dropout and drop path: random in training
+            extra.update(drop_rate=0.1, drop_path_rate=0.1)
         build = functools.partial(
             timm.create_model, name, pretrained=False, num_classes=10, **extra
         )
@@ -153,17 +162,44 @@ def check_transformers() -> dict[str, tuple[int, int]]:
         vocab_size=128,
         max_position_embeddings=64,
     )
-    inputs = {"input_ids": torch.randint(0, 128, (4, 64))}
+    bert = transformers.BertConfig(  # dropout 0.1 in attention and hidden layers
+        num_hidden_layers=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    t5 = transformers.T5Config(  # encoder and decoder stacks, dropout 0.1
+        num_layers=2,
+        num_decoder_layers=2,
+        d_model=32,
+        d_ff=64,
+        num_heads=2,
+        d_kv=16,
+        vocab_size=128,
+        decoder_start_token_id=0,
+    )
+    ids = torch.randint(0, 128, (4, 64))
+    logits = lambda out: out.logits.float().sum()  # noqa: E731
     found = {}
-    for name, config, cls in (
-        ("gpt2", gpt2, transformers.GPT2LMHeadModel),
-        ("llama", llama, transformers.LlamaForCausalLM),
+    for name, config, cls, inputs, loss in (
+        ("gpt2", gpt2, transformers.GPT2LMHeadModel, {"use_cache": False}, logits),
+        ("llama", llama, transformers.LlamaForCausalLM, {"use_cache": False}, logits),
+        ("bert", bert, transformers.BertForMaskedLM, {}, logits),
+        (
+            "t5",
+            t5,
+            transformers.T5ForConditionalGeneration,
+            {"labels": ids, "use_cache": False},
+            lambda out: out.loss.float(),
+        ),
     ):
         found[name] = compare(
             functools.partial(cls, config),
-            {**inputs, "use_cache": False},
+            {"input_ids": ids, **inputs},
             use_seqckpt,
-            loss=lambda out: out.logits.float().sum(),
+            loss=loss,
         )
     return found
 
