@@ -10,7 +10,6 @@ round; ``paired_x_plain`` / ``paired_x_torch`` are paired ratios as in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -18,7 +17,14 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
-from bench.workloads import device, paired_ratio, peak_bytes, run_benchmark, size
+from bench.workloads import (
+    device,
+    every_block,
+    paired_ratio,
+    peak_bytes,
+    run_benchmark,
+    size,
+)
 
 Block = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -36,15 +42,6 @@ CHAINS = {
 PAIRS = 11
 
 
-def every_block(variant: str) -> Callable[[nn.Sequential, Any], Any]:
-    def forward(model: nn.Sequential, x: Any) -> Any:
-        for block in model:
-            x = VARIANTS[variant](block, x)
-        return x
-
-    return forward
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("chain_name", list(CHAINS))
 def test_every_block_checkpointed(benchmark, chain_name: str, variant: str) -> None:  # type: ignore[no-untyped-def]
@@ -56,7 +53,7 @@ def test_every_block_checkpointed(benchmark, chain_name: str, variant: str) -> N
     x = torch.randn(
         2 if size() == "tiny" else batch, width, device=device(), requires_grad=True
     )
-    forward = every_block(variant)
+    forward = every_block(VARIANTS[variant])
     benchmark.group = f"overhead-{chain_name}"
     info: dict[str, object] = {
         "variant": variant,
@@ -65,10 +62,10 @@ def test_every_block_checkpointed(benchmark, chain_name: str, variant: str) -> N
     }
     if variant != "plain":
         info["paired_x_plain"] = paired_ratio(
-            model, x, forward, every_block("plain"), PAIRS
+            model, x, forward, every_block(VARIANTS["plain"]), PAIRS
         )
         info["paired_x_torch"] = paired_ratio(
-            model, x, forward, every_block("torch_nonreentrant"), PAIRS
+            model, x, forward, every_block(VARIANTS["torch_nonreentrant"]), PAIRS
         )
     benchmark.extra_info.update(info)
     run_benchmark(benchmark, model, x, forward)

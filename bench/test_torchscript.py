@@ -29,7 +29,14 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
-from bench.workloads import device, paired_ratio, peak_bytes, run_benchmark, size
+from bench.workloads import (
+    device,
+    every_block,
+    paired_ratio,
+    peak_bytes,
+    run_benchmark,
+    size,
+)
 
 PAIRS = 11
 SIZES = {"cpu": (256, 64), "gpu": (1024, 4096), "tiny": (16, 2)}  # width, batch
@@ -51,15 +58,6 @@ def unoptimised(model: nn.Sequential, x: Any) -> Any:
         return model(x)
     finally:
         torch._C._set_graph_executor_optimize(before)
-
-
-def every_block(run: Callable[[nn.Module, Any], Any]) -> Callable[..., Any]:
-    def forward(model: nn.Sequential, x: Any) -> Any:
-        for block in model:
-            x = run(block, x)
-        return x
-
-    return forward
 
 
 def torch_without_early_stop(block: nn.Module, x: Any) -> Any:

@@ -123,15 +123,20 @@ def torch_sequential(k: int, reentrant: bool) -> Forward:
     return run
 
 
-def seqckpt_every_block(policy: Any) -> Forward:
-    """Every block its own seqckpt checkpoint under ``policy``."""
+def every_block(call: Callable[[nn.Module, Any], Any]) -> Forward:
+    """Every block of the chain run as ``call(block, x)``, in order."""
 
     def run(model: nn.Sequential, x: Any) -> Any:
         for block in model:
-            x = seqckpt.checkpoint(block, x, policy=policy)
+            x = call(block, x)
         return x
 
     return run
+
+
+def seqckpt_every_block(policy: Any) -> Forward:
+    """Every block its own seqckpt checkpoint under ``policy``."""
+    return every_block(partial(seqckpt.checkpoint, policy=policy))
 
 
 def seqckpt_segments(segments: int | Plan) -> Forward:

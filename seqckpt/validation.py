@@ -78,6 +78,10 @@ def _time(
     )
 
 
+def _largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
 def _differences(
     a: nn.Module, b: nn.Module
 ) -> tuple[bool, bool, float, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -91,9 +95,7 @@ def _differences(
         torch.equal(u, v)
         for u, v in zip(a.buffers(), b.buffers())  # noqa: B905
     )
-    max_diff = max(
-        ((g.float() - h.float()).abs().max().item() for g, h in pairs), default=0.0
-    )
+    max_diff = max((_largest_difference(g, h) for g, h in pairs), default=0.0)
     return grads_equal, buffers_equal, max_diff, pairs
 
 
@@ -114,13 +116,9 @@ def grads_close(
         >>> grads_close([(a, a + 1e-2)], [(a, a + 5e-4)])
         False
     """
-
-    def largest(u: torch.Tensor, v: torch.Tensor) -> float:
-        return (u.float() - v.float()).abs().max().item() if u.numel() else 0.0
-
     return all(
         torch.allclose(a, b, rtol=CUDA_RTOL, atol=CUDA_ATOL)
-        or largest(a, b) <= NOISE_FACTOR * largest(c, d)
+        or _largest_difference(a, b) <= NOISE_FACTOR * _largest_difference(c, d)
         for (a, b), (c, d) in zip(pairs, baseline, strict=True)
     )
 
