@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
@@ -160,6 +161,10 @@ def checkpoint(
             or an input was modified in place after the call.
 
     Under ``torch.no_grad()`` or ``torch.inference_mode()`` this is a plain call.
+    Under ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian``, which refuse
+    saved-tensor hooks (torch's checkpoint raises there), it is a plain call
+    with a warning: right gradients, no memory saved. ``torch.vmap``,
+    ``jvp`` and ``jacfwd`` are checkpointed as usual.
     Under ``torch.compile`` it becomes torch's own checkpoint operator, which the
     compiler turns into recomputation in the compiled backward.
 
@@ -274,6 +279,16 @@ def run_region(
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    if not _hooks_enabled():
+        warnings.warn(
+            f"seqckpt: {_name(function)} runs without checkpointing here: "
+            "saved-tensor hooks are switched off (torch.func.grad, vjp, jacrev "
+            "and hessian refuse them), so it keeps its activations. Gradients "
+            "are right; to save memory, take them with torch.autograd.grad or "
+            ".backward() instead.",
+            stacklevel=3,
+        )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
     result: T = _Region(function, args, kwargs, options, modules).run()
@@ -844,6 +859,9 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 
 _set_grad_enabled = torch._C._set_grad_enabled
+_hooks_enabled: Callable[[], bool] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
+)
 
 
 _Parameter, _Tensor = nn.Parameter, torch.Tensor

@@ -626,3 +626,45 @@ def test_a_failing_context_fn_leaves_nothing_behind() -> None:
     assert info.traceback is not None
     assert len(nn_module._global_forward_pre_hooks) == hooks
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+# ------------------------------------------------------------ torch.func
+
+
+def _tanh_mlp(t: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(t @ t.T).exp().sum(dim=0)
+
+
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap_of_grad"])
+def test_under_torch_func_gradients_it_runs_plain_and_says_so(transform: str) -> None:
+    # torch.func's reverse-mode transforms refuse saved-tensor hooks; torch's
+    # checkpoint raises there. seqckpt runs the function plainly and warns.
+    x = torch.randn(3, 4)
+
+    def transformed(f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if transform == "grad":
+            return torch.func.grad(lambda t: f(t).sum())(x)
+        if transform == "jacrev":
+            return torch.func.jacrev(f)(x)
+        return torch.vmap(torch.func.grad(lambda t: f(t.unsqueeze(0)).sum()))(x)
+
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        transformed(lambda t: tc.checkpoint(_tanh_mlp, t, use_reentrant=False))
+    with pytest.warns(UserWarning, match="seqckpt: _tanh_mlp runs without check"):
+        ours = transformed(lambda t: checkpoint(_tanh_mlp, t))
+    assert torch.equal(ours, transformed(_tanh_mlp))
+    # and the hooks are usable again afterwards: a normal call checkpoints
+    counter = OpCounter()
+    with counter:
+        checkpoint(_tanh_mlp, torch.randn(3, 4, requires_grad=True)).sum().backward()
+    assert counter.counts["tanh"] == 2  # the forward and the recompute
+
+
+def test_under_vmap_and_forward_mode_it_checkpoints() -> None:
+    x = torch.randn(5, 3, 4)
+    assert torch.equal(
+        torch.vmap(lambda t: checkpoint(_tanh_mlp, t))(x), torch.vmap(_tanh_mlp)(x)
+    )
+    ours = torch.func.jvp(lambda t: checkpoint(_tanh_mlp, t), (x[0],), (x[1],))
+    plain = torch.func.jvp(_tanh_mlp, (x[0],), (x[1],))
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain, strict=True))
