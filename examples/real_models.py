@@ -6,6 +6,10 @@ buffers on the CPU) and for a lower peak memory.
   (``layer1``..``layer4``) for CheckpointedSequential.
 - timm: the same call replaces ``model.set_grad_checkpointing()`` (leave that
   off): ViT's ``blocks``, ConvNeXt's per-stage ``blocks``, ResNet's stages.
+- Code that calls ``torch.utils.checkpoint.checkpoint`` itself (timm with
+  ``model.set_grad_checkpointing()``, torchvision's DenseNet with
+  ``memory_efficient=True``) runs seqckpt's inside
+  ``seqckpt.replace_torch_checkpoint()``, unchanged.
 - HF transformers: seqckpt becomes the model's checkpoint function. The public
   ``gradient_checkpointing_enable()`` (``activation_checkpointing_enable()``
   in transformers 5) only takes keyword arguments for torch's function; the
@@ -74,9 +78,22 @@ def compare(
 def report(name: str, peaks: tuple[int, int]) -> None:
     plain, ckpt = peaks
     print(
-        f"{name:<28} bitwise equal, peak {plain / 2**20:7.2f} -> "
+        f"{name:<36} bitwise equal, peak {plain / 2**20:7.2f} -> "
         f"{ckpt / 2**20:7.2f} MiB ({100 * (1 - ckpt / plain):4.1f}% less)"
     )
+
+
+class UnderSeqckpt(nn.Module):
+    """Runs ``model`` with torch's checkpoint functions replaced by seqckpt's
+    (for models that call torch's themselves)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with seqckpt.replace_torch_checkpoint():
+            return self.model(*args, **kwargs)
 
 
 # ------------------------------------------------------------------ torchvision
@@ -96,6 +113,20 @@ def check_torchvision() -> dict[str, tuple[int, int]]:
         found[name] = compare(
             build, torch.randn(2, 3, 64, 64), seqckpt.checkpoint_blocks
         )
+
+    # DenseNet checkpoints its own layers with torch's function when memory
+    # efficient; BatchNorm statistics are updated once under seqckpt's (twice
+    # under torch's, which is not equal to the plain run).
+    def memory_efficient(model: nn.Module) -> nn.Module:
+        for layer in model.modules():
+            if hasattr(layer, "memory_efficient"):
+                layer.memory_efficient = True
+        return UnderSeqckpt(model)
+
+    build = functools.partial(torchvision.models.densenet121, num_classes=10)
+    found["densenet121 (own ckpt)"] = compare(
+        build, torch.randn(2, 3, 64, 64), memory_efficient
+    )
     return found
 
 
@@ -120,6 +151,19 @@ def check_timm() -> dict[str, tuple[int, int]]:
         )
         x = torch.randn(4, 3, size, size)
         found[name] = compare(build, x, seqckpt.checkpoint_blocks)
+
+    # timm's own switch, running seqckpt under the drop-in
+    def timm_switch(model: nn.Module) -> nn.Module:
+        model.set_grad_checkpointing(True)
+        return UnderSeqckpt(model)
+
+    for name in ("convnext_atto", "resnet18"):
+        build = functools.partial(
+            timm.create_model, name, pretrained=False, num_classes=10
+        )
+        found[f"{name} (set_grad_ckpt)"] = compare(
+            build, torch.randn(4, 3, 128, 128), timm_switch
+        )
     return found
 
 

@@ -28,6 +28,7 @@ from seqckpt.sequential import (
     checkpoint_blocks,
     checkpoint_sequential,
 )
+from seqckpt.torch_drop_in import replace_torch_checkpoint
 from seqckpt.validation import validate
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "plan",
     "policies",
     "profile",
+    "replace_torch_checkpoint",
     "track_memory",
     "validate",
 ]

@@ -51,6 +51,14 @@ from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy
 
 __all__ = ["CheckpointError", "checkpoint"]
 
+# torch's own functions, as they were when seqckpt was imported: compiled code
+# goes to torch's checkpoint even while seqckpt.replace_torch_checkpoint() has
+# put seqckpt's in its place.
+TORCH_CHECKPOINT: Callable[..., Any] = _torch_checkpoint.checkpoint
+TORCH_CHECKPOINT_SEQUENTIAL: Callable[..., Any] = (
+    _torch_checkpoint.checkpoint_sequential
+)
+
 DeterminismCheck = Literal["default", "values", "none"]
 _CHECKS = ("default", "values", "none")
 ContextFn = Callable[
@@ -319,14 +327,12 @@ def _compiled_checkpoint(
 ) -> T:
     # Dynamo turns torch's non-reentrant checkpoint into the
     # tag_activation_checkpoint operator; the partitioner then recomputes.
-    import torch.utils.checkpoint as torch_checkpoint
-
     extra: dict[str, Any] = {}
     if options.context_fn is not None:
         extra["context_fn"] = options.context_fn
     elif options.policy is not None:
         extra["context_fn"] = options.policy.torch_context_fn
-    result: T = torch_checkpoint.checkpoint(
+    result: T = TORCH_CHECKPOINT(
         function,
         *args,
         use_reentrant=False,

@@ -23,6 +23,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from seqckpt._tree import tensors_in
+from seqckpt.checkpoint import TORCH_CHECKPOINT, TORCH_CHECKPOINT_SEQUENTIAL
 from seqckpt.executor import resolve_plan, run_plan
 from seqckpt.memory import timed, track_memory
 from seqckpt.planner.budget import format_bytes
@@ -62,9 +63,7 @@ def torch_uniform(k: int) -> Forward:
     """torch's ``checkpoint_sequential`` (non-reentrant) in ``k`` segments."""
 
     def run(model: nn.Sequential, x: Any) -> Any:
-        return torch_checkpoint.checkpoint_sequential(  # type: ignore[no-untyped-call]
-            model, k, x, use_reentrant=False
-        )
+        return TORCH_CHECKPOINT_SEQUENTIAL(model, k, x, use_reentrant=False)
 
     return run
 
@@ -72,7 +71,7 @@ def torch_uniform(k: int) -> Forward:
 def torch_every_block(model: nn.Sequential, x: Any) -> Any:
     """timm-style: every block its own torch (non-reentrant) checkpoint."""
     for block in model:
-        x = torch_checkpoint.checkpoint(block, x, use_reentrant=False)
+        x = TORCH_CHECKPOINT(block, x, use_reentrant=False)
     return x
 
 
@@ -92,9 +91,7 @@ def torch_sac_every_block(model: nn.Sequential, x: Any) -> Any:
     checkpointing keeping what ``"compute_heavy"`` keeps (matmuls,
     convolutions, fused attention)."""
     for block in model:
-        x = torch_checkpoint.checkpoint(
-            block, x, use_reentrant=False, context_fn=TORCH_SAC
-        )
+        x = TORCH_CHECKPOINT(block, x, use_reentrant=False, context_fn=TORCH_SAC)
     return x
 
 
