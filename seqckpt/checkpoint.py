@@ -243,6 +243,8 @@ def make_options(
             "seqckpt: argument 'determinism_check' must be one of "
             f"{', '.join(repr(c) for c in _CHECKS)}, got {determinism_check!r}."
         )
+    if context_fn is _torch_checkpoint.noop_context_fn:
+        context_fn = None  # torch's default, passed on by wrappers: nothing to enter
     if context_fn is not None and not callable(context_fn):
         raise TypeError(
             "seqckpt: argument 'context_fn' must be a callable returning two "

@@ -52,6 +52,15 @@ def test_torch_keywords_are_never_passed_to_the_function() -> None:
     assert received == [{"scale": 2}, {"scale": 2}]  # forward and recompute
 
 
+def test_torchs_default_context_fn_is_no_context_fn() -> None:
+    # Wrappers that pass torch's defaults on (context_fn=noop_context_fn) get
+    # the plain default options, without two empty contexts per region.
+    from seqckpt.checkpoint import DEFAULT_OPTIONS, make_options
+
+    assert make_options(context_fn=tc.noop_context_fn) is DEFAULT_OPTIONS
+    assert make_options(context_fn=lambda: tc.noop_context_fn()) != DEFAULT_OPTIONS
+
+
 @pytest.mark.parametrize("use_reentrant", [None, False, True])
 def test_use_reentrant_is_accepted_and_changes_nothing(
     use_reentrant: bool | None,
