@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 import warnings
 import weakref
@@ -483,8 +484,18 @@ def _describe(meta: tuple[torch.Size, torch.dtype, torch.device]) -> str:
 
 
 def _name(function: object) -> str:
+    """What error messages call a checkpointed function: a module's class, the
+    module of a bound method (HF passes ``partial(super().__call__, ...)``), a
+    partial's function, a stretch of a chain ("layers 2-5", named by the
+    executor), or a function's qualified name."""
     if isinstance(function, nn.Module):
         return type(function).__name__
+    if isinstance(function, functools.partial):
+        given = getattr(function, "__name__", None)
+        return given if isinstance(given, str) else _name(function.func)
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        return type(owner).__name__
     return getattr(function, "__qualname__", None) or type(function).__name__
 
 

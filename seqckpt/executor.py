@@ -103,6 +103,7 @@ def run_plan(
             if item.policy is not options.policy:
                 inner_options = dataclasses.replace(options, policy=item.policy)
             region = functools.partial(run_plan, item.inner, modules, options=options)
+            region.__name__ = f"layers {item.start}-{item.stop - 1}"  # type: ignore[attr-defined]
             runs = modules_of(tuple(modules[item.start : item.stop]))
             x = run_region(region, (x,), {}, inner_options, runs)
     return x

@@ -872,6 +872,37 @@ def test_a_function_that_writes_into_its_input_is_refused_in_forward() -> None:
         checkpoint(nn.Sequential(nn.ReLU(inplace=True), nn.Tanh()), h)
 
 
+
+class SavesLessTheSecondTime(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.exp().exp() if self.calls == 1 else x.exp() + 0
+
+
+@pytest.mark.parametrize(
+    ("run", "name"),
+    [
+        (lambda m, x: checkpoint(m, x), "SavesLessTheSecondTime"),
+        # HF calls partial(super().__call__, **kwargs): named by its module
+        (lambda m, x: checkpoint(functools.partial(m.__call__), x), "SavesLess"),
+        (lambda m, x: checkpoint(lambda t: m(t), x), "<lambda>"),
+        # a stretch of a chain: named by its layers
+        (
+            lambda m, x: seqckpt.checkpoint_sequential([m, nn.Tanh()], 2, x),
+            "layers 0-0",
+        ),
+    ],
+)
+def test_errors_name_the_checkpointed_function(run: Any, name: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=f"checkpointed {name}"):
+        run(SavesLessTheSecondTime(), x).sum().backward()
+
+
 def test_regions_on_cuda_capture_the_cuda_switches_too() -> None:
     # CUDA-only switches (cuDNN, cuBLAS, the CUDA attention backends) cannot
     # change what runs on the CPU, so CPU regions skip them; a region on a CUDA

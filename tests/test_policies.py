@@ -312,9 +312,14 @@ def test_bad_policies(policy: object, error: type, pattern: str) -> None:
 def test_policy_errors_name_the_conflict() -> None:
     from torch.utils.checkpoint import noop_context_fn
 
+    def noop_context_fn2() -> Any:
+        return noop_context_fn()
+
     x = torch.randn(2, 4, requires_grad=True)
     with pytest.raises(ValueError, match="either 'policy' or 'context_fn'"):
-        checkpoint(torch.sin, x, policy="compute_heavy", context_fn=noop_context_fn)
+        checkpoint(torch.sin, x, policy="compute_heavy", context_fn=noop_context_fn2)
+    # torch's default context_fn, as wrappers pass it on, is no context_fn
+    checkpoint(torch.sin, x, policy="compute_heavy", context_fn=noop_context_fn)
     plan = Plan((Recompute(0, 1, Plan((Run(0, 1),))), Run(1, 2)))
     with pytest.raises(ValueError, match="carries a policy per recomputed stretch"):
         checkpoint_sequential([torch.sin, torch.cos], plan, x, policy="compute_heavy")
