@@ -872,7 +872,6 @@ def test_a_function_that_writes_into_its_input_is_refused_in_forward() -> None:
         checkpoint(nn.Sequential(nn.ReLU(inplace=True), nn.Tanh()), h)
 
 
-
 class SavesLessTheSecondTime(nn.Module):
     def __init__(self) -> None:
         super().__init__()
