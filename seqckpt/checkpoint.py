@@ -283,17 +283,19 @@ def run_region(
     kwargs: dict[str, Any],
     options: Options,
     modules: Iterable[nn.Module] | None = None,
+    name: str | None = None,
 ) -> T:
     """:func:`checkpoint` for callers that already checked the function and
     built the options; ``modules``: the modules ``function`` runs, when the
-    caller knows them (the plan executor), else they are read off ``function``."""
+    caller knows them (the plan executor), else they are read off ``function``;
+    ``name``: what errors call it (else :func:`_name` of ``function``)."""
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     if not _hooks_enabled():
         warnings.warn(
-            f"seqckpt: {_name(function)} runs without checkpointing here: "
+            f"seqckpt: {name or _name(function)} runs without checkpointing here: "
             "saved-tensor hooks are switched off (torch.func.grad, vjp, jacrev "
             "and hessian refuse them), so it keeps its activations. Gradients "
             "are right; to save memory, take them with torch.autograd.grad or "
@@ -302,7 +304,7 @@ def run_region(
         )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
-    result: T = _Region(function, args, kwargs, options, modules).run()
+    result: T = _Region(function, args, kwargs, options, modules, name).run()
     return result
 
 
@@ -486,13 +488,11 @@ def _describe(meta: tuple[torch.Size, torch.dtype, torch.device]) -> str:
 def _name(function: object) -> str:
     """What error messages call a checkpointed function: a module's class, the
     module of a bound method (HF passes ``partial(super().__call__, ...)``), a
-    partial's function, a stretch of a chain ("layers 2-5", named by the
-    executor), or a function's qualified name."""
+    partial's function, or a function's qualified name."""
     if isinstance(function, nn.Module):
         return type(function).__name__
     if isinstance(function, functools.partial):
-        given = getattr(function, "__name__", None)
-        return given if isinstance(given, str) else _name(function.func)
+        return _name(function.func)
     owner = getattr(function, "__self__", None)
     if isinstance(owner, nn.Module):
         return type(owner).__name__
@@ -524,6 +524,7 @@ class _Region:
         "forward_ops",
         "children",
         "keep_later",
+        "name",
         "__weakref__",
     )
 
@@ -534,6 +535,7 @@ class _Region:
         kwargs: dict[str, Any],
         options: Options,
         modules: Iterable[nn.Module] | None,
+        name: str | None = None,
     ) -> None:
         self.function = function
         self.options = options
@@ -549,6 +551,7 @@ class _Region:
         # outputs and the graph until the garbage collector runs.
         self.children: list[weakref.ref[_Region]] | None = None
         self.keep_later = False
+        self.name = name
         if options.policy is not None:
             running = _POLICY_CHILDREN.get()
             if running is not None:
@@ -640,7 +643,7 @@ class _Region:
                 self.kwargs = replace_tensors(self.kwargs, _placeholders(self.kwargs))
         if self.inputs and [t._version for t in self.inputs] != self.versions:
             raise CheckpointError(
-                f"seqckpt: checkpointed {_name(self.function)} modified its own "
+                f"seqckpt: checkpointed {self._label()} modified its own "
                 "input in place (e.g. nn.ReLU(inplace=True) as its first layer), so "
                 "its recompute would start from the modified values. Start the "
                 "checkpointed stretch after that operation, or make it out of place."
@@ -700,12 +703,15 @@ class _Region:
             self.kwargs, tensors[len(tensors_in(self.args)) :]
         )
 
+    def _label(self) -> str:
+        return self.name or _name(self.function)
+
     def _modified_input(self, t: torch.Tensor, expected: int) -> CheckpointError:
         assert self.inputs is not None
         i = next(i for i, u in enumerate(self.inputs) if u is t)
         return CheckpointError(
             f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
-            f"checkpointed {_name(self.function)} was modified in place "
+            f"checkpointed {self._label()} was modified in place "
             "after it was passed in, so backward would see other values (one of "
             "the variables needed for gradient computation has been modified by "
             "an inplace operation: it is at version "
@@ -826,7 +832,7 @@ class _Region:
             bad = _first_mismatch(self.prints, prints)
         if count_ok and metas_ok and bad is None:
             return
-        name = _name(self.function)
+        name = self._label()
         debug = ""
         if recompute_ops is not None and self.forward_ops is not None:
             debug = _op_difference(self.forward_ops, recompute_ops)

@@ -103,7 +103,7 @@ def run_plan(
             if item.policy is not options.policy:
                 inner_options = dataclasses.replace(options, policy=item.policy)
             region = functools.partial(run_plan, item.inner, modules, options=options)
-            region.__name__ = f"layers {item.start}-{item.stop - 1}"  # type: ignore[attr-defined]
             runs = modules_of(tuple(modules[item.start : item.stop]))
-            x = run_region(region, (x,), {}, inner_options, runs)
+            name = f"layers {item.start}-{item.stop - 1}"  # what errors call it
+            x = run_region(region, (x,), {}, inner_options, runs, name)
     return x
