@@ -16,7 +16,9 @@ seqckpt through ``gradient_checkpointing_enable``, see the README).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch.utils.checkpoint as _torch_checkpoint
 
@@ -26,15 +28,22 @@ from seqckpt.sequential import checkpoint_sequential
 __all__ = ["replace_torch_checkpoint"]
 
 
+_LOCK = threading.Lock()
+_active = 0  # blocks open, in all threads
+_saved: tuple[Any, Any] = (None, None)  # torch's functions, while any is open
+
+
 @contextlib.contextmanager
 def replace_torch_checkpoint() -> Iterator[None]:
     """Make ``torch.utils.checkpoint.checkpoint`` and ``checkpoint_sequential``
     seqckpt's while the block runs; torch's come back when it ends (also on an
-    error), and blocks may nest.
+    error).
 
     The replacement is process-wide, as the module attribute it sets: other
-    threads see it too while the block runs. Under ``torch.compile`` nothing
-    changes: seqckpt's checkpoint hands compiled code to torch's own.
+    threads see it too while a block is open. Blocks may nest and may be open
+    in several threads at once; torch's functions come back when the last one
+    ends. Under ``torch.compile`` nothing changes: seqckpt's checkpoint hands
+    compiled code to torch's own.
 
     Example:
         >>> import torch, torch.utils.checkpoint, seqckpt
@@ -48,11 +57,19 @@ def replace_torch_checkpoint() -> Iterator[None]:
         False
         >>> y.sum().backward()
     """
+    global _active, _saved
     module = _torch_checkpoint
-    before = module.checkpoint, module.checkpoint_sequential
-    module.checkpoint = checkpoint  # type: ignore[assignment]
-    module.checkpoint_sequential = checkpoint_sequential  # type: ignore[assignment]
+    with _LOCK:
+        if _active == 0:
+            _saved = module.checkpoint, module.checkpoint_sequential
+            module.checkpoint = checkpoint  # type: ignore[assignment]
+            module.checkpoint_sequential = checkpoint_sequential  # type: ignore[assignment]
+        _active += 1
     try:
         yield
     finally:
-        module.checkpoint, module.checkpoint_sequential = before
+        with _LOCK:
+            _active -= 1
+            if _active == 0:
+                module.checkpoint, module.checkpoint_sequential = _saved
+                _saved = (None, None)

@@ -4,6 +4,7 @@ functions through the module (as timm and torchvision do) runs seqckpt's."""
 from __future__ import annotations
 
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -67,6 +68,38 @@ def test_the_functions_are_swapped_inside_and_given_back() -> None:
     with pytest.raises(ValueError, match="inside"), replace_torch_checkpoint():
         raise ValueError("inside")
     assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
+
+
+def test_blocks_open_in_two_threads_give_torchs_back_when_the_last_ends() -> None:
+    # first opens, second opens, first ends, second ends: a block that put back
+    # what it saw on entry would leave seqckpt's in place for good
+    first_open, second_open, first_closed = (threading.Event() for _ in range(3))
+    seen_in_second: list[bool] = []
+
+    def first() -> None:
+        with replace_torch_checkpoint():
+            first_open.set()
+            second_open.wait(10)
+        first_closed.set()
+
+    def second() -> None:
+        first_open.wait(10)
+        with replace_torch_checkpoint():
+            second_open.set()
+            first_closed.wait(10)
+            seen_in_second.append(
+                torch.utils.checkpoint.checkpoint is seqckpt.checkpoint
+            )
+
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert first_closed.is_set() and second_open.is_set()
+    assert seen_in_second == [True]  # still seqckpt's after the first block ended
+    assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
+    assert torch.utils.checkpoint.checkpoint_sequential is TORCH_CHECKPOINT_SEQUENTIAL
 
 
 @pytest.mark.parametrize("library", [library_every_block, library_sequential])
