@@ -10,7 +10,7 @@ when they run: timm's ``set_grad_checkpointing()`` (its ``checkpoint`` and
 
 A name bound before the block by ``from torch.utils.checkpoint import
 checkpoint`` keeps torch's function (HF transformers binds it so; give HF
-seqckpt through ``gradient_checkpointing_enable``, see the README).
+models seqckpt as their checkpoint function instead, see the README).
 """
 
 from __future__ import annotations
