@@ -234,6 +234,13 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return found
 
 
+# Ops a policy never keeps nor serves (as in torch's selective checkpointing):
+# they cost nothing to run again, and seqckpt's own hooks call ``detach`` in the
+# recompute but not in the forward, so counting them would shift the call
+# numbers that match a recompute's ops with the forward's.
+_IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
 class Kept:
     """What one region's forward kept: op outputs by (op, call number), with
     their versions so an output changed in place is never served."""
@@ -260,6 +267,8 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func in _IGNORED_OPS:
+            return out
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
         key = (func, call)
@@ -302,6 +311,8 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
+        if func in _IGNORED_OPS:
+            return func(*args, **(kwargs or {}))
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
         entries = self.kept.entries

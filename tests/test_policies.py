@@ -243,6 +243,69 @@ def test_random_ops_are_never_served_stale() -> None:
     assert torch.equal(first, x.grad)
 
 
+class DetachesAfterASavedTensor(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x.exp()  # saved: the recompute's hook detaches it
+        b = (x * 3).detach()  # the forward's first detach
+        return a * b
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        lambda op, *a, **k: op is torch.ops.aten.detach.default,
+        [torch.ops.aten.detach],
+        lambda op, *a, **k: True,
+    ],
+    ids=["callable", "ops", "everything"],
+)
+def test_a_policy_that_selects_detach_gets_right_gradients(policy: Any) -> None:
+    # Detach is never kept or served (as in torch's selective checkpointing):
+    # seqckpt's hooks detach in the recompute and not in the forward, so
+    # counting it served the forward's b where the recompute detached a.
+    assert_matches_plain(
+        DetachesAfterASavedTensor(),
+        torch.randn(5, requires_grad=True),
+        lambda m, t: checkpoint(m, t, policy=policy),
+    )
+
+
+@pytest.mark.parametrize("keep", ["ours", "torch"])
+def test_values_check_still_sees_a_changed_recompute_under_a_policy(keep: str) -> None:
+    # The fingerprints are sums; a policy keeping sums must not keep them (or
+    # the recompute is served the forward's and compares them with themselves).
+    calls = [0]
+
+    def drifting(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return (x * calls[0]).exp().sum(dim=0)
+
+    def keeps_sums(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is torch.ops.aten.sum.dim_IntList
+
+    extra: dict[str, Any]
+    if keep == "ours":
+        extra = {"policy": keeps_sums}
+    else:
+        from torch.utils.checkpoint import (
+            CheckpointPolicy,
+            create_selective_checkpoint_contexts,
+        )
+
+        def torch_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            if keeps_sums(op):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        extra = {
+            "context_fn": lambda: create_selective_checkpoint_contexts(torch_policy)
+        }
+    x = torch.randn(3, 4, requires_grad=True)
+    y = checkpoint(drifting, x, determinism_check="values", **extra)
+    with pytest.raises(seqckpt.CheckpointError, match="other values in the recompute"):
+        y.sum().backward()
+
+
 def test_a_kept_output_changed_in_place_is_computed_again() -> None:
     def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = m(x)
