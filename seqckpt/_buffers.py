@@ -46,6 +46,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
+from seqckpt._state import unseen
+
 __all__ = ["BufferGuard", "modules_of", "watching_modules"]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
@@ -140,6 +142,11 @@ def _any_buffers(modules: list[nn.Module]) -> bool:
 
 
 def _snapshot(b: torch.Tensor) -> torch.Tensor:
+    """A copy of ``b``, made unseen by dispatch modes (see ``_state.unseen``)."""
+    return unseen(_copy, b)
+
+
+def _copy(b: torch.Tensor) -> torch.Tensor:
     return (b.detach() if b.requires_grad else b).clone()
 
 
@@ -231,11 +238,14 @@ class BufferGuard:
         per entry the tensor the module holds now and its values now."""
         if not self.entries:
             return None
+        return unseen(self._replay)
+
+    def _replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         undo: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         with torch.no_grad():
             for module, name, tensor, _, first, _ in self.entries:
                 now = _held(module, name)
-                after = _snapshot(tensor)
+                after = _copy(tensor)
                 tensor.copy_(first)
                 if now is not tensor:
                     _put(module, name, tensor)
@@ -244,6 +254,9 @@ class BufferGuard:
 
     def restore(self, undo: list[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         """Put back the values and tensors the caller had before :meth:`replay`."""
+        unseen(self._restore, undo)
+
+    def _restore(self, undo: list[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
         with torch.no_grad():
             for (module, name, tensor, *_), (now, after) in zip(
                 self.entries, undo, strict=False

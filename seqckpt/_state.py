@@ -18,9 +18,10 @@ import functools
 import operator
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 # --------------------------------------------------------------------------- flags
 
@@ -98,6 +99,26 @@ def is_recomputing() -> bool:
         [False, True]
     """
     return _RECOMPUTING.get() > 0
+
+
+# ------------------------------------------------------------- bookkeeping ops
+
+T = TypeVar("T")
+
+
+def unseen(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` with the dispatch modes set aside.
+
+    seqckpt's own tensor work inside a region (buffer snapshots and their
+    replay, the fingerprints of ``determinism_check="values"``) is bookkeeping:
+    a policy's modes (seqckpt's or torch's selective checkpointing) must not
+    keep it nor count it, or the forward and the recompute would number their
+    ops differently and the recompute would be served another op's output.
+    """
+    if torch._C._len_torch_dispatch_stack() == 0:
+        return fn(*args)
+    with _disable_current_modes():
+        return fn(*args)
 
 
 # ----------------------------------------------------------------------------- RNG

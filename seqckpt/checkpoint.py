@@ -42,7 +42,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqckpt import _state
 from seqckpt import policies as _policies
@@ -427,17 +427,6 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
     )
 
 
-def _fingerprint_unseen(t: torch.Tensor) -> torch.Tensor | None:
-    """:func:`_fingerprint` with the dispatch modes set aside: its ops are
-    seqckpt's bookkeeping, which a policy (ours or torch's selective
-    checkpointing) must neither keep nor count, or the recompute would be
-    served the forward's fingerprints and compare them with themselves."""
-    if torch._C._len_torch_dispatch_stack() == 0:
-        return _fingerprint(t)
-    with _disable_current_modes():
-        return _fingerprint(t)
-
-
 def _balanced_split(shape: torch.Size) -> int:
     """The ``k`` in 1..ndim-1 for which dimensions ``[:k]`` and ``[k:]`` hold
     the most even numbers of elements."""
@@ -675,7 +664,7 @@ class _Region:
         else:
             self.metas.append((t.shape, t.dtype, t.device))
             if check == "values":
-                self.prints.append(_fingerprint_unseen(t))
+                self.prints.append(_state.unseen(_fingerprint, t))
         return index
 
     # ----------------------------------------------------------------- backward
@@ -761,7 +750,7 @@ class _Region:
             # saved (identity and Python attributes kept, as without hooks).
             collected.append(t if create_graph or not t.requires_grad else detached)
             if fingerprint:  # now: a saved buffer may change after the recompute
-                prints.append(_fingerprint_unseen(detached))
+                prints.append(_state.unseen(_fingerprint, detached))
             if len(collected) == wanted:
                 stopped = True
                 raise _StopRecompute
