@@ -16,6 +16,7 @@ from torch import nn
 import seqckpt
 from seqckpt import checkpoint, checkpoint_sequential
 from seqckpt.planner import Plan, Recompute, Run
+from seqckpt.planner.frontier import TORCH_SAC
 from seqckpt.policies import COMPUTE_HEAVY, Policy, as_policy, names, ops
 from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
@@ -333,8 +334,16 @@ def _torch_keeps_clones() -> Any:
         {"policy": lambda op, *a, **k: True, "determinism_check": "values"},
         {"context_fn": _torch_keeps_clones},
         {"context_fn": _torch_keeps_clones, "determinism_check": "values"},
+        {"context_fn": TORCH_SAC},  # torch's SAC keeping the matmuls: failed too
     ],
-    ids=["everything", "clones", "everything-values", "torch-sac", "torch-sac-values"],
+    ids=[
+        "everything",
+        "clones",
+        "everything-values",
+        "torch-sac",
+        "torch-sac-values",
+        "torch-sac-heavy",
+    ],
 )
 def test_buffer_bookkeeping_is_unseen_by_policies(options: dict[str, Any]) -> None:
     # The recompute puts BatchNorm's first-run statistics back with clone and
