@@ -21,7 +21,8 @@ from contextlib import ExitStack
 from typing import Any, TypeVar
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+import torch.utils.checkpoint
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 # --------------------------------------------------------------------------- flags
 
@@ -105,20 +106,55 @@ def is_recomputing() -> bool:
 
 T = TypeVar("T")
 
+# torch's selective-checkpointing modes (private classes; absent ones skipped)
+_TORCH_SAC_MODES = tuple(
+    mode
+    for mode in (
+        getattr(torch.utils.checkpoint, "_CachingTorchDispatchMode", None),
+        getattr(torch.utils.checkpoint, "_CachedTorchDispatchMode", None),
+    )
+    if mode is not None
+)
+
+
+def _counts_ops(mode: Any) -> bool:
+    """A mode that numbers ops to keep and serve their outputs: a seqckpt
+    policy's (``counts_ops = True``) or torch's selective checkpointing."""
+    return getattr(mode, "counts_ops", False) or isinstance(mode, _TORCH_SAC_MODES)
+
 
 def unseen(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` with the dispatch modes set aside.
+    """``fn(*args)`` unseen by the modes that number ops.
 
     seqckpt's own tensor work inside a region (buffer snapshots and their
     replay, the fingerprints of ``determinism_check="values"``) is bookkeeping:
     a policy's modes (seqckpt's or torch's selective checkpointing) must not
     keep it nor count it, or the forward and the recompute would number their
     ops differently and the recompute would be served another op's output.
+    Every other mode (a memory tracker, a FLOP counter) still sees it: the
+    modes from the lowest counting one up are taken off the stack and the
+    others among them put back in their order, for the call.
     """
-    if torch._C._len_torch_dispatch_stack() == 0:
+    depth = torch._C._len_torch_dispatch_stack()
+    if depth == 0:
         return fn(*args)
-    with _disable_current_modes():
+    stack = [torch._C._get_dispatch_stack_at(i) for i in range(depth)]
+    lowest = next((i for i, mode in enumerate(stack) if _counts_ops(mode)), None)
+    if lowest is None:
         return fn(*args)
+    lifted = stack[lowest:]
+    for _ in lifted:
+        _pop_mode()
+    others = [mode for mode in lifted if not _counts_ops(mode)]
+    for mode in others:
+        _push_mode(mode)
+    try:
+        return fn(*args)
+    finally:
+        for _ in others:
+            _pop_mode()
+        for mode in lifted:
+            _push_mode(mode)
 
 
 # ----------------------------------------------------------------------------- RNG

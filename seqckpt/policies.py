@@ -256,6 +256,8 @@ class Kept:
 class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Active during a region's forward: keeps the outputs the policy selects."""
 
+    counts_ops = True  # seqckpt's bookkeeping runs unseen by it (_state.unseen)
+
     def __init__(self, policy: Policy, kept: Kept) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.policy, self.kept = policy, kept
@@ -301,6 +303,8 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     With ``consume`` each output leaves the cache as it is served, so one the
     recomputed graph does not save is freed when its consumers are done (as
     in the forward), not held to the end of the recompute."""
+
+    counts_ops = True
 
     def __init__(self, kept: Kept, consume: bool = True) -> None:
         super().__init__()  # type: ignore[no-untyped-call]

@@ -361,6 +361,33 @@ def test_buffer_bookkeeping_is_unseen_by_policies(options: dict[str, Any]) -> No
     )
 
 
+def test_bookkeeping_is_hidden_only_from_the_modes_that_count_ops() -> None:
+    from torch.utils._python_dispatch import (
+        TorchDispatchMode,
+        _get_current_dispatch_mode_stack,
+    )
+
+    from seqckpt._state import unseen
+
+    class Recording(TorchDispatchMode):  # type: ignore[misc]
+        def __init__(self, counts: bool) -> None:
+            super().__init__()
+            self.counts_ops, self.ops = counts, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    below, counting, above = Recording(False), Recording(True), Recording(False)
+    with below, counting, above:
+        before = _get_current_dispatch_mode_stack()
+        unseen(torch.ones(2).add, 1)
+        assert _get_current_dispatch_mode_stack() == before  # same modes, same order
+    add = torch.ops.aten.add.Tensor
+    assert add in below.ops and add in above.ops  # a memory tracker still sees it
+    assert add not in counting.ops
+
+
 def test_a_kept_output_changed_in_place_is_computed_again() -> None:
     def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = m(x)
