@@ -48,7 +48,7 @@ from seqckpt import _state
 from seqckpt import policies as _policies
 from seqckpt._buffers import BufferGuard, modules_of, watching_modules
 from seqckpt._tree import replace_tensors, tensors_in
-from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy
+from seqckpt.policies import IGNORED_OPS, Keeping, Kept, Policy, Serving, as_policy
 
 __all__ = ["CheckpointError", "checkpoint"]
 
@@ -367,7 +367,12 @@ class _SaveInputs(torch.autograd.Function):
 
 
 class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
-    """Records the name of every aten op run under it (``debug=True``)."""
+    """Records the name of every aten op the function runs (``debug=True``):
+    not seqckpt's bookkeeping (buffer replays, fingerprints, which it hides
+    from modes that count ops) nor ``detach``, which seqckpt's hooks call in
+    the recompute only, so the two logs differ only where the function does."""
+
+    counts_ops = True
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -376,7 +381,8 @@ class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        self.ops.append(str(func))
+        if func not in IGNORED_OPS:
+            self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
 

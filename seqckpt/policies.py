@@ -238,7 +238,7 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 # they cost nothing to run again, and seqckpt's own hooks call ``detach`` in the
 # recompute but not in the forward, so counting them would shift the call
 # numbers that match a recompute's ops with the forward's.
-_IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
 class Kept:
@@ -269,7 +269,7 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in _IGNORED_OPS:
+        if func in IGNORED_OPS:
             return out
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
@@ -315,7 +315,7 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if func in _IGNORED_OPS:
+        if func in IGNORED_OPS:
             return func(*args, **(kwargs or {}))
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
