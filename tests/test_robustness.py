@@ -57,12 +57,22 @@ class Join(nn.Module):
         return self.lin(pair[0]) * pair[1]
 
 
+class Copies(nn.Module):
+    """clone and detach: ops seqckpt's own bookkeeping runs too, so a policy
+    that numbered them served the wrong tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone().tanh() + x.detach() * 0.5
+
+
 @st.composite
 def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
     width = draw(st.integers(2, 12))
     items: list[nn.Module] = [nn.Linear(width, width)]  # something to train
     for _ in range(draw(st.integers(0, 8))):
-        kind = draw(st.sampled_from(["linear", "dropout", "bn", "act", "pair"]))
+        kind = draw(
+            st.sampled_from(["linear", "dropout", "bn", "act", "pair", "copies"])
+        )
         if kind == "linear":
             items.append(nn.Linear(width, width))
         elif kind == "dropout":
@@ -71,6 +81,8 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
             items.append(nn.BatchNorm1d(width))
         elif kind == "act":
             items.append(draw(st.sampled_from([nn.GELU, nn.Tanh, nn.ReLU]))())
+        elif kind == "copies":
+            items.append(Copies())
         else:
             items += [Split(), Join(width)]
     torch.manual_seed(draw(st.integers(0, 1000)))
