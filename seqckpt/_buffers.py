@@ -1,7 +1,10 @@
 """Module buffers inside a checkpointed region: found before the region first
 runs, their first-run values kept where that run may have changed them, and put
 in place around the recompute so that it sees what the first run saw and
-updates nothing a second time.
+updates nothing a second time. Likewise the tensors ``torch.func.functional_call``
+puts in parameter slots for a call (MAML, model ensembles): by the time backward
+recomputes, the modules hold their own parameters again, so the stand-ins the
+first run used are put back around the recompute.
 
 Which modules a region runs is read off the callable (:func:`modules_of`): the
 module itself, the object of a bound method (HF's ``layer.__call__``), the
@@ -130,13 +133,31 @@ def watching_modules(seen: Callable[[nn.Module], None]) -> Iterator[None]:
         handle.remove()
 
 
-def _any_buffers(modules: list[nn.Module]) -> bool:
-    """Whether any of ``modules`` or their submodules holds a buffer."""
+_Parameter, _Tensor = nn.Parameter, torch.Tensor
+
+
+def _stand_in(p: torch.Tensor | None) -> bool:
+    """A tensor in a module's parameter slot that is not a Parameter: put there
+    for the call by ``torch.func.functional_call`` (torch.nn.utils.stateless),
+    which puts the module's own parameters back when the call returns, before
+    any recompute."""
+    if p is None:
+        return False
+    kind = type(p)
+    return kind is not _Parameter and (kind is _Tensor or not isinstance(p, _Parameter))
+
+
+def _any_state(modules: list[nn.Module]) -> bool:
+    """Whether any of ``modules`` or their submodules holds a buffer or a
+    stand-in for a parameter."""
     todo = modules[:]
     while todo:
         m = todo.pop()
         if m._buffers:
             return True
+        for p in m._parameters.values():
+            if type(p) is not _Parameter and _stand_in(p):
+                return True
         todo.extend(m._modules.values())  # type: ignore[arg-type]
     return False
 
@@ -168,7 +189,10 @@ def _put(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 class BufferGuard:
-    """The buffers of the modules one region runs, with their first-run values.
+    """The buffers of the modules one region runs, with their first-run values,
+    and the stand-ins ``torch.func.functional_call`` put in their parameter
+    slots (the recompute must compute with those, not with the parameters the
+    modules hold again by then).
 
     ``watch`` is the pre-hook callback during the first run; ``settle`` keeps
     what may have changed once it ends; ``replay`` puts the first-run values in
@@ -184,7 +208,7 @@ class BufferGuard:
         when there are none (and none can be found later: not conservative)."""
         if not conservative:
             modules = list(modules)
-            if not _any_buffers(modules):
+            if not _any_state(modules):
                 return None
         guard = BufferGuard(conservative)
         for module in modules:
@@ -194,10 +218,11 @@ class BufferGuard:
     def __init__(self, conservative: bool) -> None:
         self.conservative = conservative
         self.visited: set[int] | None = set()
-        # (module, name, tensor, version at first sight, first value, may be
-        # written by a kernel without a version bump)
+        # (module, name, tensor, version at first sight, first value (None for a
+        # parameter stand-in: only put back, never copied), may be written by a
+        # kernel without a version bump)
         self.entries: list[
-            tuple[nn.Module, str, torch.Tensor, int, torch.Tensor, bool]
+            tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None, bool]
         ] = []
 
     def watch(self, module: nn.Module) -> None:
@@ -210,6 +235,10 @@ class BufferGuard:
             if id(m) in visited:
                 continue
             visited.add(id(m))
+            for name, p in m._parameters.items():
+                if type(p) is not _Parameter and _stand_in(p):
+                    assert p is not None
+                    self.entries.append((m, name, p, p._version, None, True))
             buffers = m._buffers
             if buffers:
                 script = isinstance(m, torch.jit.ScriptModule)
@@ -233,17 +262,22 @@ class BufferGuard:
                 if e[5] or e[2]._version != e[3] or _held(e[0], e[1]) is not e[2]
             ]
 
-    def replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor]] | None:
+    def replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
         """Put the first-run values in place; returns what :meth:`restore` needs:
         per entry the tensor the module holds now and its values now."""
         if not self.entries:
             return None
         return unseen(self._replay)
 
-    def _replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-        undo: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    def _replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        undo: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         with torch.no_grad():
             for module, name, tensor, _, first, _ in self.entries:
+                if first is None:  # a parameter stand-in
+                    own: torch.Tensor | None = module._parameters.get(name)
+                    module._parameters[name] = tensor  # type: ignore[assignment]
+                    undo.append((own, None))
+                    continue
                 now = _held(module, name)
                 after = _copy(tensor)
                 tensor.copy_(first)
@@ -252,15 +286,22 @@ class BufferGuard:
                 undo.append((now, after))
         return undo
 
-    def restore(self, undo: list[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
+    def restore(
+        self, undo: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    ) -> None:
         """Put back the values and tensors the caller had before :meth:`replay`."""
         unseen(self._restore, undo)
 
-    def _restore(self, undo: list[tuple[torch.Tensor | None, torch.Tensor]]) -> None:
+    def _restore(
+        self, undo: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    ) -> None:
         with torch.no_grad():
             for (module, name, tensor, *_), (now, after) in zip(
                 self.entries, undo, strict=False
             ):
+                if after is None:  # a parameter stand-in: the module's own back
+                    module._parameters[name] = now  # type: ignore[assignment]
+                    continue
                 tensor.copy_(after)
                 if now is not tensor and now is not None:
                     _put(module, name, now)

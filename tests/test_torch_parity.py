@@ -703,3 +703,49 @@ def test_under_vmap_and_forward_mode_it_checkpoints() -> None:
     ours = torch.func.jvp(lambda t: checkpoint(_tanh_mlp, t), (x[0],), (x[1],))
     plain = torch.func.jvp(_tanh_mlp, (x[0],), (x[1],))
     assert all(torch.equal(a, b) for a, b in zip(ours, plain, strict=True))
+
+
+# ------------------------------------------------ torch.func.functional_call
+
+
+class CheckpointsItsBody(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x)
+
+
+@pytest.mark.parametrize("stand_ins", ["leaves", "updated"])
+@pytest.mark.parametrize("where", ["inside_forward", "checkpointed_sequential"])
+def test_functional_call_recomputes_with_the_tensors_it_was_given(
+    stand_ins: str, where: str
+) -> None:
+    # functional_call puts other tensors in the parameter slots for the call
+    # and the module's own parameters back before backward; the recompute must
+    # use the tensors of the call (torch's checkpoint uses the module's own:
+    # its gradients differ from the plain run's without an error).
+    torch.manual_seed(0)
+    model: nn.Module = CheckpointsItsBody()
+    if where == "checkpointed_sequential":
+        model = seqckpt.CheckpointedSequential(*model.body, segments=2)  # type: ignore[arg-type]
+    plain_model = model.body if where == "inside_forward" else nn.Sequential(*model)  # type: ignore[arg-type]
+    x = torch.randn(3, 4)
+    leaves = {k: (2 * v.detach()).requires_grad_() for k, v in model.named_parameters()}
+
+    def grads(m: nn.Module, prefix: str) -> tuple[torch.Tensor, ...]:
+        given = {
+            k[len(prefix) :]: (v - 0.01 if stand_ins == "updated" else v)  # MAML
+            for k, v in leaves.items()
+        }
+        torch.manual_seed(1)
+        out = torch.func.functional_call(m, given, (x,))
+        return torch.autograd.grad(out.sum(), list(leaves.values()))
+
+    ours = grads(model, "")
+    plain = grads(plain_model, "body." if where == "inside_forward" else "")
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain, strict=True))
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # its own again
