@@ -618,8 +618,7 @@ class _Region:
                     self.kept = Kept()
                     keeping = setup.enter_context(Keeping(policy, self.kept))
                     if policy.names:
-                        _policies._NAMING.append((keeping, policy.names))
-                        setup.callback(_policies._NAMING.pop)
+                        setup.enter_context(_policies.naming(keeping, policy.names))
                 if options.debug:
                     log = setup.enter_context(_OpLog())
                 extra = setup.pop_all()

@@ -29,9 +29,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -332,7 +334,22 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         return func(*args, **(kwargs or {}))
 
 
-_NAMING: list[tuple[Keeping, frozenset[str]]] = []
+# The forwards of regions with a names policy now running, innermost last; per
+# thread (DataParallel runs replicas in threads), as a context variable.
+_NAMING: contextvars.ContextVar[tuple[tuple[Keeping, frozenset[str]], ...]] = (
+    contextvars.ContextVar("seqckpt_naming", default=())
+)
+
+
+@contextlib.contextmanager
+def naming(keeping: Keeping, names: frozenset[str]) -> Iterator[None]:
+    """While a region with a names policy runs its forward: :func:`name` calls
+    with one of ``names`` go to ``keeping``."""
+    token = _NAMING.set((*_NAMING.get(), (keeping, names)))
+    try:
+        yield
+    finally:
+        _NAMING.reset(token)
 
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
@@ -350,7 +367,7 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """
     if not isinstance(label, str):
         raise TypeError(f"seqckpt: name() takes a string label, got {label!r}.")
-    for keeping, wanted in reversed(_NAMING):
+    for keeping, wanted in reversed(_NAMING.get()):
         if label in wanted:
             keeping.name(tensor)
             break

@@ -4,6 +4,7 @@ that a kept op is not run again in the recompute."""
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from typing import Any
 
@@ -224,6 +225,49 @@ def test_names_policy_keeps_what_user_code_names() -> None:
         y.sum().backward()
     assert counter.counts.get("addmm") == 1
     assert seqckpt.name(x, "proj") is x  # outside a region: nothing happens
+
+
+def test_names_in_two_threads_go_to_their_own_regions() -> None:
+    # DataParallel runs replicas in threads. Thread "a" names its projection
+    # while thread "b" is inside a region of its own: the name must reach a's
+    # region (kept: a's recompute does not run the addmm again), not b's.
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    a_inside, b_inside, a_named = (threading.Event() for _ in range(3))
+    counts: dict[str, dict[str, int]] = {}
+    failures: list[BaseException] = []
+
+    def block(me: str, x: torch.Tensor) -> torch.Tensor:
+        if me == "a":
+            a_inside.set()
+            b_inside.wait(10)
+        else:
+            b_inside.set()
+            a_named.wait(10)
+        h = seqckpt.name(lin(x), "proj")
+        if me == "a":
+            a_named.set()
+        return (h.relu() @ h.T).tanh()
+
+    def run(me: str) -> None:
+        try:
+            if me == "b":
+                a_inside.wait(10)
+            x = torch.randn(5, 8, requires_grad=True)
+            y = checkpoint(block, me, x, policy=names("proj"))
+            with OpCounter() as counter:
+                y.sum().backward()
+            counts[me] = counter.counts
+        except BaseException as error:  # reported by the main thread below
+            failures.append(error)
+
+    threads = [threading.Thread(target=run, args=(me,)) for me in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not failures, failures
+    assert "addmm" not in counts["a"] and "addmm" not in counts["b"]
 
 
 def test_random_ops_are_never_served_stale() -> None:
