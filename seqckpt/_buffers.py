@@ -47,11 +47,12 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from seqckpt._state import unseen
 
-__all__ = ["BufferGuard", "modules_of", "watching_modules"]
+__all__ = ["BufferGuard", "modules_of", "uninitialized_lazy", "watching_modules"]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
 
@@ -145,6 +146,18 @@ def _stand_in(p: torch.Tensor | None) -> bool:
         return False
     kind = type(p)
     return kind is not _Parameter and (kind is _Tensor or not isinstance(p, _Parameter))
+
+
+def uninitialized_lazy(modules: Iterable[nn.Module]) -> nn.Module | None:
+    """A lazy module (``nn.LazyLinear`` and the like) among ``modules`` and
+    their submodules whose parameters are not initialized yet, or None."""
+    todo = list(modules)
+    while todo:
+        m = todo.pop()
+        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[no-untyped-call]
+            return m
+        todo.extend(m._modules.values())  # type: ignore[arg-type]
+    return None
 
 
 def _any_state(modules: list[nn.Module]) -> bool:

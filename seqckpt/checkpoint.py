@@ -46,7 +46,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqckpt import _state
 from seqckpt import policies as _policies
-from seqckpt._buffers import BufferGuard, modules_of, watching_modules
+from seqckpt._buffers import (
+    BufferGuard,
+    modules_of,
+    uninitialized_lazy,
+    watching_modules,
+)
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.policies import IGNORED_OPS, Keeping, Kept, Policy, Serving, as_policy
 
@@ -300,6 +305,17 @@ def run_region(
             "and hessian refuse them), so it keeps its activations. Gradients "
             "are right; to save memory, take them with torch.autograd.grad or "
             ".backward() instead.",
+            stacklevel=3,
+        )
+        return function(*args, **kwargs)
+    modules = modules_of(function) if modules is None else list(modules)
+    lazy = uninitialized_lazy(modules)
+    if lazy is not None:
+        warnings.warn(
+            f"seqckpt: {name or _name(function)} runs without checkpointing this "
+            f"call: its {type(lazy).__name__} initializes its parameters now, "
+            "drawing random numbers a recompute would not draw (dropout after it "
+            "would get another mask). Later calls are checkpointed.",
             stacklevel=3,
         )
         return function(*args, **kwargs)

@@ -902,6 +902,25 @@ def test_errors_name_the_checkpointed_function(run: Any, name: str) -> None:
         run(SavesLessTheSecondTime(), x).sum().backward()
 
 
+def test_a_lazy_module_first_call_runs_plainly_then_is_checkpointed() -> None:
+    # Its first call draws random numbers to initialize its weights; a
+    # recompute would not, so dropout after it would draw another mask
+    # (torch's checkpoint gives wrong gradients here without a word).
+    def lazy_chain() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.LazyLinear(4), nn.Dropout(0.5), nn.Tanh())
+
+    x = torch.randn(3, 5, requires_grad=True)
+    with pytest.warns(UserWarning, match="LazyLinear initializes its parameters"):
+        assert_matches_plain(lazy_chain, x, lambda m, t: checkpoint(m, t))
+    model = lazy_chain()
+    model(x)  # initialized: from now on checkpointed
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda *_: seen.append(seqckpt.is_recomputing()))
+    checkpoint(model, x).sum().backward()
+    assert seen == [False, True]
+
+
 def test_regions_on_cuda_capture_the_cuda_switches_too() -> None:
     # CUDA-only switches (cuDNN, cuBLAS, the CUDA attention backends) cannot
     # change what runs on the CPU, so CPU regions skip them; a region on a CUDA
