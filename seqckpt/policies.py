@@ -254,6 +254,45 @@ class Kept:
         # For names: which (op, call number) produced a tensor of the forward.
         self.producers: weakref.WeakValueDictionary[int, Any] | None = None
 
+    def forget_written(self, written: list[torch.Tensor]) -> None:
+        """Drop the kept outputs whose memory an op just wrote into.
+
+        A kept copy is made below autograd (inside the dispatch mode), where it
+        does not share the version counter of the tensor the forward goes on
+        with, so a later in-place op (``nn.SiLU(inplace=True)`` after a
+        convolution) would leave it looking unchanged; the mode sees that op
+        and drops the entry here instead, and the recompute runs the op again.
+        """
+        hit = {w.untyped_storage().data_ptr() for w in written}
+        for key in [
+            key
+            for key, (out, _) in self.entries.items()
+            if any(t.untyped_storage().data_ptr() in hit for t in _tensors(out))
+        ]:
+            del self.entries[key]
+
+
+# op -> (position, name) of every argument it writes into (in place or out=)
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The tensors ``func`` writes into when called with these arguments."""
+    spec = _WRITES.get(func)
+    if spec is None:
+        spec = _WRITES[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    found: list[Any] = []
+    for i, name in spec:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
+
 
 class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Active during a region's forward: keeps the outputs the policy selects."""
@@ -273,9 +312,17 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         out = func(*args, **kwargs)
         if func in IGNORED_OPS:
             return out
+        written = _written(func, args, kwargs)
+        if written and self.kept.entries:
+            self.kept.forget_written(written)
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
         key = (func, call)
+        if written:
+            # An op that writes into a tensor (dropout's bernoulli_, an in-place
+            # activation) is never kept: serving its output would skip the
+            # write, and later ops read the tensor it writes, not its output.
+            return out
         if self.policy.keeps(func, args, kwargs):
             detached = _detached(out)
             self.kept.entries[key] = (detached, _versions(detached))

@@ -432,10 +432,32 @@ def test_bookkeeping_is_hidden_only_from_the_modes_that_count_ops() -> None:
     assert add not in counting.ops
 
 
-def test_a_kept_output_changed_in_place_is_computed_again() -> None:
+class SqueezeExcite(nn.Module):
+    """torchvision EfficientNet's squeeze-and-excitation: a 1x1 convolution
+    whose output an in-place SiLU overwrites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Conv2d(8, 2, 1), nn.Conv2d(2, 8, 1)
+        self.act = nn.SiLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.fc2(self.act(self.fc1(x.mean((2, 3), keepdim=True))))
+        return scale.sigmoid() * x
+
+
+@pytest.mark.parametrize("overwrite", ["silu_", "mul_", "out="])
+def test_a_kept_output_changed_in_place_is_computed_again(overwrite: str) -> None:
+    # Not relu_: serving the overwritten values and applying relu again gives
+    # the same numbers, so it cannot tell a stale output from a fresh one.
     def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        h = m(x)
-        h.relu_()  # changes the kept addmm output after it was kept
+        h = m(x)  # kept: addmm
+        if overwrite == "silu_":
+            torch.nn.functional.silu(h, inplace=True)
+        elif overwrite == "mul_":
+            h[:, :3].mul_(3)  # through a view
+        else:
+            torch.sin(h.detach() * 2, out=h.detach())
         return h.sin()
 
     x = torch.randn(3, 6, requires_grad=True)
@@ -444,6 +466,15 @@ def test_a_kept_output_changed_in_place_is_computed_again() -> None:
         x,
         lambda m, t: checkpoint(block, m, t, policy="compute_heavy"),
         plain=block,
+    )
+
+
+def test_squeeze_excitation_under_compute_heavy_is_bitwise() -> None:
+    torch.manual_seed(0)
+    assert_matches_plain(
+        SqueezeExcite(),
+        torch.randn(2, 8, 4, 4, requires_grad=True),
+        lambda m, t: checkpoint(m, t, policy="compute_heavy"),
     )
 
 
