@@ -52,7 +52,13 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from seqckpt._state import unseen
 
-__all__ = ["BufferGuard", "modules_of", "uninitialized_lazy", "watching_modules"]
+__all__ = [
+    "BufferGuard",
+    "is_parameter",
+    "modules_of",
+    "uninitialized_lazy",
+    "watching_modules",
+]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
 
@@ -137,15 +143,19 @@ def watching_modules(seen: Callable[[nn.Module], None]) -> Iterator[None]:
 _Parameter, _Tensor = nn.Parameter, torch.Tensor
 
 
+def is_parameter(t: object) -> bool:
+    """``isinstance(t, nn.Parameter)`` without the Python ``__instancecheck__``
+    for plain tensors and parameters, which are told apart by their type."""
+    kind = type(t)
+    return kind is _Parameter or (kind is not _Tensor and isinstance(t, _Parameter))
+
+
 def _stand_in(p: torch.Tensor | None) -> bool:
     """A tensor in a module's parameter slot that is not a Parameter: put there
     for the call by ``torch.func.functional_call`` (torch.nn.utils.stateless),
     which puts the module's own parameters back when the call returns, before
     any recompute."""
-    if p is None:
-        return False
-    kind = type(p)
-    return kind is not _Parameter and (kind is _Tensor or not isinstance(p, _Parameter))
+    return p is not None and not is_parameter(p)
 
 
 def uninitialized_lazy(modules: Iterable[nn.Module]) -> nn.Module | None:
@@ -169,7 +179,7 @@ def _any_state(modules: list[nn.Module]) -> bool:
         if m._buffers:
             return True
         for p in m._parameters.values():
-            if type(p) is not _Parameter and _stand_in(p):
+            if _stand_in(p):
                 return True
         todo.extend(m._modules.values())  # type: ignore[arg-type]
     return False
@@ -249,7 +259,7 @@ class BufferGuard:
                 continue
             visited.add(id(m))
             for name, p in m._parameters.items():
-                if type(p) is not _Parameter and _stand_in(p):
+                if _stand_in(p):
                     assert p is not None
                     self.entries.append((m, name, p, p._version, None, True))
             buffers = m._buffers

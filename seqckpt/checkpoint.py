@@ -48,6 +48,7 @@ from seqckpt import _state
 from seqckpt import policies as _policies
 from seqckpt._buffers import (
     BufferGuard,
+    is_parameter,
     modules_of,
     uninitialized_lazy,
     watching_modules,
@@ -298,25 +299,27 @@ def run_region(
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    why = None
     if not _hooks_enabled():
-        warnings.warn(
-            f"seqckpt: {name or _name(function)} runs without checkpointing here: "
-            "saved-tensor hooks are switched off (torch.func.grad, vjp, jacrev "
-            "and hessian refuse them), so it keeps its activations. Gradients "
-            "are right; to save memory, take them with torch.autograd.grad or "
-            ".backward() instead.",
-            stacklevel=3,
+        why = (
+            "here: saved-tensor hooks are switched off (torch.func.grad, vjp, "
+            "jacrev and hessian refuse them), so it keeps its activations. "
+            "Gradients are right; to save memory, take them with "
+            "torch.autograd.grad or .backward() instead."
         )
-        return function(*args, **kwargs)
-    modules = modules_of(function) if modules is None else list(modules)
-    lazy = uninitialized_lazy(modules)
-    if lazy is not None:
+    else:
+        modules = modules_of(function) if modules is None else list(modules)
+        lazy = uninitialized_lazy(modules)
+        if lazy is not None:
+            why = (
+                f"this call: its {type(lazy).__name__} initializes its parameters "
+                "now, drawing random numbers a recompute would not draw (dropout "
+                "after it would get another mask). Later calls are checkpointed."
+            )
+    if why is not None:
+        label = name or _name(function)
         warnings.warn(
-            f"seqckpt: {name or _name(function)} runs without checkpointing this "
-            f"call: its {type(lazy).__name__} initializes its parameters now, "
-            "drawing random numbers a recompute would not draw (dropout after it "
-            "would get another mask). Later calls are checkpointed.",
-            stacklevel=3,
+            f"seqckpt: {label} runs without checkpointing {why}", stacklevel=3
         )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
@@ -910,19 +913,10 @@ _hooks_enabled: Callable[[], bool] = getattr(
 )
 
 
-_Parameter, _Tensor = nn.Parameter, torch.Tensor
-
-
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (``weight.t()`` saved by a linear layer):
-    kept alive by its module, so a region holds it instead of recomputing it.
-    (``isinstance(t, nn.Parameter)`` runs a Python ``__instancecheck__``; plain
-    tensors are ruled out by their type first.)"""
-    kind = type(t)
-    if kind is _Parameter or (kind is not _Tensor and isinstance(t, _Parameter)):
+    kept alive by its module, so a region holds it instead of recomputing it."""
+    if is_parameter(t):
         return True
     base = t._base
-    if base is None:
-        return False
-    kind = type(base)
-    return kind is _Parameter or (kind is not _Tensor and isinstance(base, _Parameter))
+    return base is not None and is_parameter(base)
