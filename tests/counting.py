@@ -1,5 +1,6 @@
-"""Counters the tests share: aten ops run under a mode, and module calls that
-got past their first op (to see where a recompute stopped)."""
+"""Counters the tests share: aten ops run under a mode, module calls that got
+past their first op (to see where a recompute stopped), and a module that
+counts its calls to save less on every call after the first."""
 
 from __future__ import annotations
 
@@ -33,3 +34,16 @@ class CountsFinished(nn.Module):
         y = x @ self.weight  # saves x and the weight before computing
         self.finished += 1
         return y
+
+
+class SavesLessTheSecondTime(nn.Module):
+    """Saves two tensors on its first call and one on every later call (a
+    recompute that differs from its forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.exp().exp() if self.calls == 1 else x.exp() + 0

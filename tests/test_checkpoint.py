@@ -16,7 +16,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt import CheckpointError, checkpoint
-from tests.counting import CountsFinished
+from tests.counting import CountsFinished, SavesLessTheSecondTime
 from tests.oracle import assert_matches_plain
 
 
@@ -870,16 +870,6 @@ def test_a_function_that_writes_into_its_input_is_refused_in_forward() -> None:
     h = torch.randn(4, requires_grad=True) * 1
     with pytest.raises(CheckpointError, match="modified its own input in place"):
         checkpoint(nn.Sequential(nn.ReLU(inplace=True), nn.Tanh()), h)
-
-
-class SavesLessTheSecondTime(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return x.exp().exp() if self.calls == 1 else x.exp() + 0
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from seqckpt.planner.frontier import TORCH_SAC
 from seqckpt.policies import COMPUTE_HEAVY, Policy, as_policy, names, ops
 from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
-from tests.test_robustness import chains
+from tests.test_robustness import Copies, chains
 
 aten = torch.ops.aten
 
@@ -351,11 +351,6 @@ def test_values_check_still_sees_a_changed_recompute_under_a_policy(keep: str) -
         y.sum().backward()
 
 
-class ClonesThenTanh(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x.clone() * 2).tanh()
-
-
 def _keep_clones_torch(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -395,8 +390,8 @@ def test_buffer_bookkeeping_is_unseen_by_policies(options: dict[str, Any]) -> No
     # model's own clone from the wrong call, or (torch's) raised in backward.
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(4, 4), nn.BatchNorm1d(4), ClonesThenTanh(),
-        nn.Linear(4, 4), nn.BatchNorm1d(4), ClonesThenTanh(),
+        nn.Linear(4, 4), nn.BatchNorm1d(4), Copies(),
+        nn.Linear(4, 4), nn.BatchNorm1d(4), Copies(),
     )  # fmt: skip
     assert_matches_plain(
         model,
