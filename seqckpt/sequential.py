@@ -167,8 +167,14 @@ class CheckpointedSequential(nn.Sequential):
     (with a warning: there is nothing to checkpoint but the whole, use
     :func:`seqckpt.checkpoint` for that). Its ``state_dict`` keys are those of
     the ``nn.Sequential`` it replaces, and indexing, slicing, ``len`` and
-    ``append`` behave the same. In ``eval()`` mode or without grad its forward
-    is exactly ``nn.Sequential.forward``.
+    ``append`` behave the same. A slice, ``+`` and ``*`` give a
+    ``CheckpointedSequential`` with the same options, policy, budget and
+    training mode (``nn.Sequential`` would give a plain ``Sequential`` for
+    ``+`` and ``*``, and a slice in training mode with default options); a
+    segment count carries over, capped at the new length, as does ``"auto"``,
+    while segment sizes and plans, made for the whole chain, fall back to the
+    default. In ``eval()`` mode or without grad its forward is exactly
+    ``nn.Sequential.forward``.
 
     Example:
         >>> import torch
@@ -240,6 +246,33 @@ class CheckpointedSequential(nn.Sequential):
         module = cls(OrderedDict(sequential._modules), segments=segments, **options)
         module.train(sequential.training)
         return module
+
+    def __getitem__(self, idx):  # type: ignore[no-untyped-def]
+        item = super().__getitem__(idx)
+        return self._with_my_options(item) if isinstance(idx, slice) else item
+
+    def __add__(self, other):  # type: ignore[no-untyped-def]
+        return self._with_my_options(super().__add__(other))
+
+    def __mul__(self, other):  # type: ignore[no-untyped-def]
+        return self._with_my_options(super().__mul__(other))
+
+    def __rmul__(self, other):  # type: ignore[no-untyped-def]
+        return self.__mul__(other)
+
+    @torch.jit.unused  # type: ignore[untyped-decorator]
+    def _with_my_options(self, modules: nn.Sequential) -> CheckpointedSequential:
+        """``modules`` (a slice, sum or product of this one) as a
+        ``CheckpointedSequential`` configured as this one."""
+        new = type(self)(OrderedDict(modules._modules))
+        new.options, new.policy = self.options, self.policy
+        new.memory_budget, new.segments = self.memory_budget, self.segments
+        if isinstance(self.segments, int) and len(new) > 0:
+            new.segments = min(self.segments, len(new))
+        elif self.segments != "auto":
+            new.segments = None  # sizes or a plan fit only the whole chain
+        new.train(self.training)
+        return new
 
     # Unannotated, as nn.Sequential's: TorchScript reads the input as a
     # tensor, Python takes anything (tuples, dicts).

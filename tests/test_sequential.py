@@ -218,6 +218,33 @@ def test_checkpointed_sequential_is_a_drop_in() -> None:
     ckpt(torch.randn(5, 6)).sum().backward()
 
 
+def test_slices_sums_and_products_keep_the_configuration() -> None:
+    ckpt = CheckpointedSequential.from_sequential(
+        chain(6), segments=3, determinism_check="values", policy="compute_heavy"
+    )
+    ckpt.eval()
+    parts = {
+        "slice": ckpt[1:3],
+        "sum": ckpt + nn.Sequential(nn.Tanh()),
+        "product": ckpt * 2,
+        "reversed product": 2 * ckpt,
+    }
+    for what, part in parts.items():
+        assert type(part) is CheckpointedSequential, what
+        assert part.options == ckpt.options and part.policy == ckpt.policy, what
+        assert part.segments == min(3, len(part)) and not part.training, what
+    assert [len(p) for p in parts.values()] == [2, 7, 12, 12]
+    assert all(a is b for a, b in zip(ckpt[1:3], list(ckpt)[1:3], strict=True))
+    # Sizes fit only the whole chain: a part falls back to the default; "auto" stays.
+    assert CheckpointedSequential(*chain(6), segments=[2, 4])[:3].segments is None
+    assert CheckpointedSequential(*chain(6), segments="auto")[:3].segments == "auto"
+    head = CheckpointedSequential(*chain(6), segments=2)[:4]
+    x = torch.randn(5, 6, requires_grad=True)
+    assert_matches_plain(
+        head, x, lambda m, x: m(x), plain=lambda m, x: nn.Sequential.forward(m, x)
+    )
+
+
 def test_checkpointed_sequential_eval_and_no_grad_are_plain() -> None:
     layers = [Counting() for _ in range(4)]
     model = CheckpointedSequential(*layers, segments=2)
