@@ -247,21 +247,21 @@ class CheckpointedSequential(nn.Sequential):
         module.train(sequential.training)
         return module
 
-    def __getitem__(self, idx):  # type: ignore[no-untyped-def]
+    def __getitem__(self, idx: slice | int) -> nn.Module:
         item = super().__getitem__(idx)
         return self._with_my_options(item) if isinstance(idx, slice) else item
 
-    def __add__(self, other):  # type: ignore[no-untyped-def]
+    def __add__(self, other: nn.Sequential) -> CheckpointedSequential:
         return self._with_my_options(super().__add__(other))
 
-    def __mul__(self, other):  # type: ignore[no-untyped-def]
+    def __mul__(self, other: int) -> CheckpointedSequential:
         return self._with_my_options(super().__mul__(other))
 
-    def __rmul__(self, other):  # type: ignore[no-untyped-def]
+    def __rmul__(self, other: int) -> CheckpointedSequential:
         return self.__mul__(other)
 
     @torch.jit.unused  # type: ignore[untyped-decorator]
-    def _with_my_options(self, modules: nn.Sequential) -> CheckpointedSequential:
+    def _with_my_options(self, modules: nn.Module) -> CheckpointedSequential:
         """``modules`` (a slice, sum or product of this one) as a
         ``CheckpointedSequential`` configured as this one."""
         new = type(self)(OrderedDict(modules._modules))
