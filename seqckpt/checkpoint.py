@@ -898,8 +898,10 @@ class _Region:
             f"({_describe(self.metas[bad])}) has other values in the "
             "recompute than in forward (fingerprints "
             f"{before.tolist()} vs {after.tolist()}). Something "
-            "nondeterministic runs inside: RNG outside torch, "
-            "nondeterministic kernels, or state changed between the runs." + debug
+            "nondeterministic runs inside: RNG outside torch or a "
+            "torch.Generator of your own (only the default generators are "
+            "replayed), nondeterministic kernels, or state changed between the "
+            "runs." + debug
         )
 
 

@@ -370,6 +370,20 @@ def test_values_check_catches_value_drift() -> None:
         y.sum().backward()
 
 
+def test_values_check_names_a_generator_of_your_own() -> None:
+    # Only each device's default generator is replayed (as in torch); one of the
+    # user's own has moved on by the recompute, which draws other numbers.
+    own = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 4, requires_grad=True)
+
+    def noisy(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.rand(4, 4, generator=own)).exp()
+
+    y = checkpoint(noisy, x, determinism_check="values")
+    with pytest.raises(CheckpointError, match="torch.Generator of your own"):
+        y.sum().backward()
+
+
 def test_values_check_passes_on_deterministic_function() -> None:
     x = torch.randn(6, 8, requires_grad=True)
     assert_matches_plain(
