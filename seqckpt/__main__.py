@@ -157,8 +157,9 @@ def run_profile(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     model, x, device = _model_and_input(args)
     budget = None if args.budget is None else parse_budget(args.budget, "--budget")
+    policies = _policies(args.policies)  # a typo fails before the profile runs
     print(f"seqckpt: profiling {args.model} on {device} ...", file=sys.stderr)
-    prof = profile(model, x, policies=_policies(args.policies))
+    prof = profile(model, x, policies=policies)
     try:
         chosen = plan(model, x, budget, profile=prof)
     except PlanError as error:

@@ -36,6 +36,8 @@ def test_plan_prints_tree_with_predicted_and_measured(
         (["plan", "--budget", "lots"], "--budget='lots' is not a size"),
         (["plan", "--model", "nope"], "invalid choice"),
         (["profile", "--batch", "0"], "--batch must be >= 1"),
+        (["plan", "--policies", "none,heavy"], "--policies takes none and"),
+        (["profile", "--policies", "heavy"], "--policies takes none and"),
     ],
 )
 def test_plan_errors_are_one_line_exit_2(
@@ -50,6 +52,8 @@ def test_plan_errors_are_one_line_exit_2(
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     errors = [line for line in lines if not line.startswith("seqckpt: profiling")]
+    if "--policies" in message:  # checked before the profile starts
+        assert errors == lines
     assert (
         len(errors) == 1 and errors[0].startswith("seqckpt:") and message in errors[0]
     )
