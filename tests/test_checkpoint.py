@@ -504,6 +504,34 @@ def test_flags_in_forward_and_recompute() -> None:
     assert not seqckpt.is_checkpointing() and not seqckpt.is_recomputing()
 
 
+def test_module_hooks_forward_twice_backward_once() -> None:
+    def run(checkpointed: bool) -> tuple[list[str], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 4)
+        )
+        calls: list[str] = []
+        grads: list[torch.Tensor] = []
+        model[1].register_forward_hook(lambda *a: calls.append("forward"))
+        model[1].register_forward_hook(
+            lambda *a: None if seqckpt.is_recomputing() else calls.append("collect")
+        )
+        model[3].register_full_backward_hook(
+            lambda m, gi, go: grads.extend((gi[0], go[0]))
+        )
+        x = torch.randn(3, 4, requires_grad=True)
+        y = checkpoint(model, x) if checkpointed else model(x)
+        y.pow(2).sum().backward()
+        return calls, grads
+
+    plain_calls, plain_grads = run(False)
+    calls, grads = run(True)
+    assert plain_calls == ["forward", "collect"]
+    assert calls == ["forward", "collect", "forward"]  # the recompute runs hooks too
+    assert len(grads) == len(plain_grads) == 2
+    assert all(torch.equal(g, p) for g, p in zip(grads, plain_grads, strict=True))
+
+
 def test_flags_are_thread_local() -> None:
     other: list[bool] = []
     started, release = threading.Event(), threading.Event()
