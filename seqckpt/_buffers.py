@@ -56,7 +56,7 @@ __all__ = [
     "BufferGuard",
     "is_parameter",
     "modules_of",
-    "uninitialized_lazy",
+    "survey",
     "watching_modules",
 ]
 
@@ -158,31 +158,21 @@ def _stand_in(p: torch.Tensor | None) -> bool:
     return p is not None and not is_parameter(p)
 
 
-def uninitialized_lazy(modules: Iterable[nn.Module]) -> nn.Module | None:
-    """A lazy module (``nn.LazyLinear`` and the like) among ``modules`` and
-    their submodules whose parameters are not initialized yet, or None."""
+def survey(modules: Iterable[nn.Module]) -> tuple[nn.Module | None, bool]:
+    """One walk over ``modules`` and their submodules: (a lazy module
+    (``nn.LazyLinear`` and the like) whose parameters are not initialized yet,
+    or None; whether any holds a buffer or a stand-in for a parameter)."""
+    lazy: nn.Module | None = None
+    state = False
     todo = list(modules)
     while todo:
         m = todo.pop()
+        if not state:
+            state = bool(m._buffers) or any(map(_stand_in, m._parameters.values()))
         if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[no-untyped-call]
-            return m
+            lazy = lazy or m
         todo.extend(m._modules.values())  # type: ignore[arg-type]
-    return None
-
-
-def _any_state(modules: list[nn.Module]) -> bool:
-    """Whether any of ``modules`` or their submodules holds a buffer or a
-    stand-in for a parameter."""
-    todo = modules[:]
-    while todo:
-        m = todo.pop()
-        if m._buffers:
-            return True
-        for p in m._parameters.values():
-            if _stand_in(p):
-                return True
-        todo.extend(m._modules.values())  # type: ignore[arg-type]
-    return False
+    return lazy, state
 
 
 def _snapshot(b: torch.Tensor) -> torch.Tensor:
@@ -229,10 +219,6 @@ class BufferGuard:
     def of(modules: Iterable[nn.Module], conservative: bool) -> BufferGuard | None:
         """A guard over the buffers of ``modules`` and their submodules; None
         when there are none (and none can be found later: not conservative)."""
-        if not conservative:
-            modules = list(modules)
-            if not _any_state(modules):
-                return None
         guard = BufferGuard(conservative)
         for module in modules:
             guard.watch(module)

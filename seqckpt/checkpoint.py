@@ -50,7 +50,7 @@ from seqckpt._buffers import (
     BufferGuard,
     is_parameter,
     modules_of,
-    uninitialized_lazy,
+    survey,
     watching_modules,
 )
 from seqckpt._tree import replace_tensors, tensors_in
@@ -308,8 +308,10 @@ def run_region(
             "torch.autograd.grad or .backward() instead."
         )
     else:
-        modules = modules_of(function) if modules is None else list(modules)
-        lazy = uninitialized_lazy(modules)
+        runs = modules_of(function) if modules is None else list(modules)
+        lazy, stateful = survey(runs)
+        if not stateful:
+            runs = []  # nothing for a buffer guard to hold
         if lazy is not None:
             why = (
                 f"this call: its {type(lazy).__name__} initializes its parameters "
@@ -323,7 +325,7 @@ def run_region(
         )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
-    result: T = _Region(function, args, kwargs, options, modules, name).run()
+    result: T = _Region(function, args, kwargs, options, runs, name).run()
     return result
 
 
@@ -559,7 +561,7 @@ class _Region:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         options: Options,
-        modules: Iterable[nn.Module] | None,
+        modules: list[nn.Module] | None,
         name: str | None = None,
     ) -> None:
         self.function = function
@@ -606,9 +608,11 @@ class _Region:
             self.versions = None
             self.input_ids = None
         self.args, self.kwargs = args, kwargs
-        self.guard = BufferGuard.of(
-            modules_of(function) if modules is None else modules,
-            conservative=options.determinism_check == "values",
+        if modules is None:
+            modules = modules_of(function)
+        conservative = options.determinism_check == "values"
+        self.guard = (
+            BufferGuard.of(modules, conservative) if modules or conservative else None
         )
 
     # ------------------------------------------------------------------ forward
