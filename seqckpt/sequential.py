@@ -339,7 +339,10 @@ def checkpoint_blocks(
             ``preserve_rng_state``, ``context_fn``, ...).
 
     Returns:
-        ``model``.
+        ``model``; where ``model`` is itself such a stack, a new
+        :class:`CheckpointedSequential` over its modules. Where it holds no
+        stack (torchvision's MobileNetV2 and VGG ``features`` mix classes), it
+        warns that nothing is checkpointed.
 
     Example:
         >>> import torch, seqckpt
@@ -363,18 +366,37 @@ def checkpoint_blocks(
             f"seqckpt: argument 'segments' must be an int >= 1 or None, got "
             f"{segments!r}."
         )
+
+    def k(stack: nn.Sequential) -> int | None:
+        return None if segments is None else min(segments, len(stack))
+
+    if _is_innermost_stack(model):
+        assert isinstance(model, nn.Sequential)
+        return CheckpointedSequential.from_sequential(model, k(model), **options)
     stacks = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if _is_stack(child)
-        and not any(_is_stack(m) for m in child.modules() if m is not child)
+        if _is_innermost_stack(child)
     ]
+    if not stacks and not any(
+        isinstance(m, CheckpointedSequential) for m in model.modules()
+    ):
+        warnings.warn(
+            f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
+            f"nn.Sequential of two or more modules of one class) in "
+            f"{type(model).__name__}, so nothing is checkpointed. Swap its trunk "
+            "yourself, e.g. model.features = "
+            "CheckpointedSequential.from_sequential(model.features), or call "
+            "seqckpt.checkpoint(block, x) in its forward.",
+            stacklevel=2,
+        )
     for parent, name, child in stacks:
         assert isinstance(child, nn.Sequential)
-        k = None if segments is None else min(segments, len(child))
         setattr(
-            parent, name, CheckpointedSequential.from_sequential(child, k, **options)
+            parent,
+            name,
+            CheckpointedSequential.from_sequential(child, k(child), **options),
         )
     return model
 
@@ -384,3 +406,10 @@ def _is_stack(module: nn.Module) -> bool:
     if type(module) is not nn.Sequential or len(module) < 2:
         return False
     return len({type(m) for m in module}) == 1
+
+
+def _is_innermost_stack(module: nn.Module) -> bool:
+    """A stack holding no other stack (checkpoints do not nest)."""
+    return _is_stack(module) and not any(
+        _is_stack(m) for m in module.modules() if m is not module
+    )

@@ -1,0 +1,337 @@
+"""A wider sweep than ``real_models.py``: dozens of torchvision, timm and HF
+transformers models, each trained one step plainly and one step with seqckpt
+from the same weights and seed, under each chosen policy, and checked bitwise
+(outputs, every gradient, every buffer) with ``real_models.compare``.
+
+Vision models go through ``seqckpt.checkpoint_blocks(model, policy=...)`` (or,
+where it finds no stack of repeated blocks, their ``features`` trunk becomes
+one ``CheckpointedSequential``); HF
+models get ``seqckpt.checkpoint`` (with the policy) as their checkpoint
+function, as in ``real_models.use_seqckpt``. Dropout, stochastic depth, MoE
+router noise, BatchNorm and in-place activations are left on where the model
+has them. Sizes are small: this checks correctness, not speed.
+
+Usage (with torchvision, timm and transformers installed; a missing package's
+models are skipped)::
+
+    python examples/model_sweep.py                       # default policy only
+    python examples/model_sweep.py --policies none,compute_heavy,everything
+    python examples/model_sweep.py --only mixtral,swin   # names containing these
+
+``everything`` keeps every op's output and checks fingerprints of every saved
+tensor (``determinism_check="values"``). Exits 1 if any model fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import seqckpt
+
+sys.path.insert(0, str(Path(__file__).parent))
+from real_models import compare  # noqa: E402
+
+Case = tuple[str, Callable[[], nn.Module], Any, Callable[[Any], torch.Tensor], str]
+POLICIES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "compute_heavy": {"policy": "compute_heavy"},
+    "everything": {
+        "policy": lambda op, *args, **kwargs: True,
+        "determinism_check": "values",
+    },
+}
+
+
+def _summed(out: Any) -> torch.Tensor:
+    if isinstance(out, dict):  # segmentation heads, detection losses
+        return sum(v.float().sum() for v in out.values())  # type: ignore[return-value]
+    return out.float().sum()  # type: ignore[no-any-return]
+
+
+def torchvision_cases() -> list[Case]:
+    import torchvision.models as tvm
+    from torchvision.models import detection, segmentation
+
+    small = torch.randn(2, 3, 64, 64)
+    cases: list[Case] = []
+    for name in (
+        "resnet18", "mobilenet_v2", "efficientnet_b0", "convnext_tiny",
+        "regnet_y_400mf", "shufflenet_v2_x0_5", "vgg11_bn", "densenet121",
+        "mnasnet0_5", "swin_t",
+    ):  # fmt: skip
+        build = functools.partial(getattr(tvm, name), num_classes=10)
+        cases.append((f"torchvision {name}", build, small, _summed, "vision"))
+    vit = functools.partial(
+        tvm.VisionTransformer, image_size=32, patch_size=8, num_layers=3,
+        num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10, dropout=0.1,
+    )  # fmt: skip
+    cases.append(
+        ("torchvision vit (small)", vit, torch.randn(2, 3, 32, 32), _summed, "vision")
+    )
+    segment = {"num_classes": 4, "weights_backbone": None}
+    for name in (
+        "fcn_resnet50",
+        "deeplabv3_mobilenet_v3_large",
+        "lraspp_mobilenet_v3_large",
+    ):
+        build = functools.partial(getattr(segmentation, name), **segment)
+        cases.append(
+            (f"torchvision {name}", build, torch.randn(2, 3, 96, 96), _summed, "vision")
+        )
+    images = [torch.rand(3, 128, 128), torch.rand(3, 128, 128)]
+    targets = [
+        {
+            "boxes": torch.tensor([[10.0, 10.0, 60.0, 70.0]]),
+            "labels": torch.tensor([1]),
+        },
+        {
+            "boxes": torch.tensor([[20.0, 30.0, 90.0, 100.0]]),
+            "labels": torch.tensor([2]),
+        },
+    ]
+    for name in (
+        "fasterrcnn_mobilenet_v3_large_fpn",
+        "retinanet_resnet50_fpn",
+        "fcos_resnet50_fpn",
+    ):
+        build = functools.partial(_Detector, getattr(detection, name), images, targets)
+        cases.append((f"torchvision {name}", build, torch.empty(0), _summed, "vision"))
+    return cases
+
+
+class _Detector(nn.Module):
+    """A detection model in training mode: images and targets fixed, losses out."""
+
+    def __init__(
+        self, build: Callable[..., nn.Module], images: Any, targets: Any
+    ) -> None:
+        super().__init__()
+        self.model = build(
+            weights=None,
+            weights_backbone=None,
+            num_classes=3,
+            min_size=128,
+            max_size=128,
+        )
+        self.images, self.targets = images, targets
+
+    def forward(self, _: torch.Tensor) -> Any:
+        return self.model(self.images, self.targets)
+
+
+def timm_cases() -> list[Case]:
+    import timm
+
+    cases: list[Case] = []
+    for name, extra in (
+        ("efficientnet_b0", {"drop_path_rate": 0.1}),
+        ("swin_tiny_patch4_window7_224", {"drop_path_rate": 0.1}),
+        ("deit_tiny_patch16_224", {"drop_path_rate": 0.1, "drop_rate": 0.1}),
+        ("mixer_s16_224", {}),
+        ("regnety_002", {}),
+        ("resnet26d", {"drop_path_rate": 0.05}),
+        ("mobilevitv2_050", {}),
+        ("poolformer_s12", {}),
+        ("levit_128s", {}),
+        ("coatnet_nano_rw_224", {}),
+        ("convnext_atto", {"drop_path_rate": 0.1}),
+    ):
+        size = (
+            224
+            if any(s in name for s in ("swin", "deit", "mixer", "levit", "coat"))
+            else 96
+        )
+        build = functools.partial(
+            timm.create_model, name, pretrained=False, num_classes=10, **extra
+        )
+        cases.append(
+            (f"timm {name}", build, torch.randn(2, 3, size, size), _summed, "vision")
+        )
+    return cases
+
+
+def transformers_cases() -> list[Case]:
+    import transformers as T
+
+    ids = torch.randint(0, 128, (2, 32))
+    small = {
+        "num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+        "max_position_embeddings": 64,
+    }  # fmt: skip
+    bert_like = {
+        "num_hidden_layers": 3, "hidden_size": 32, "intermediate_size": 64,
+        "num_attention_heads": 2, "vocab_size": 128, "max_position_embeddings": 64,
+    }  # fmt: skip
+    specs: list[tuple[str, str, str, dict[str, Any], bool]] = [
+        # name, config class, model class, config, loss from labels
+        ("bert", "BertConfig", "BertForMaskedLM", bert_like, False),
+        ("roberta", "RobertaConfig", "RobertaForMaskedLM", bert_like, False),
+        ("electra", "ElectraConfig", "ElectraForMaskedLM", {**bert_like, "embedding_size": 32}, False),
+        ("deberta_v2", "DebertaV2Config", "DebertaV2ForMaskedLM", bert_like, False),
+        ("distilbert", "DistilBertConfig", "DistilBertForMaskedLM",
+         {"n_layers": 3, "dim": 32, "hidden_dim": 64, "n_heads": 2, "vocab_size": 128,
+          "max_position_embeddings": 64}, False),
+        ("gpt2", "GPT2Config", "GPT2LMHeadModel",
+         {"n_layer": 3, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}, False),
+        ("gpt_bigcode", "GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+         {"n_layer": 3, "n_embd": 32, "n_head": 4, "vocab_size": 128, "n_positions": 64}, False),
+        ("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", {**bert_like}, False),
+        ("opt", "OPTConfig", "OPTForCausalLM",
+         {"num_hidden_layers": 3, "hidden_size": 32, "ffn_dim": 64, "num_attention_heads": 2,
+          "vocab_size": 128, "max_position_embeddings": 64, "word_embed_proj_dim": 32}, False),
+        ("falcon", "FalconConfig", "FalconForCausalLM",
+         {"num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 128}, False),
+        ("llama", "LlamaConfig", "LlamaForCausalLM", small, False),
+        ("mistral", "MistralConfig", "MistralForCausalLM", small, False),
+        ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", small, False),
+        ("phi3", "Phi3Config", "Phi3ForCausalLM", {**small, "pad_token_id": 0}, False),
+        ("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {**small, "head_dim": 8}, False),
+        ("gemma3_text", "Gemma3TextConfig", "Gemma3ForCausalLM", {**small, "head_dim": 8}, False),
+        ("olmo2", "Olmo2Config", "Olmo2ForCausalLM", small, False),
+        ("mixtral (MoE)", "MixtralConfig", "MixtralForCausalLM",
+         {**small, "num_local_experts": 4, "num_experts_per_tok": 2, "router_jitter_noise": 0.1}, False),
+        ("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+         {**small, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+          "head_dim": 8}, False),
+        ("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM",
+         {**small, "num_local_experts": 4, "num_experts_per_tok": 2}, False),
+        ("mamba", "MambaConfig", "MambaForCausalLM",
+         {"num_hidden_layers": 3, "hidden_size": 32, "state_size": 8, "vocab_size": 128}, False),
+        ("t5", "T5Config", "T5ForConditionalGeneration",
+         {"num_layers": 2, "num_decoder_layers": 2, "d_model": 32, "d_ff": 64, "num_heads": 2,
+          "d_kv": 16, "vocab_size": 128, "decoder_start_token_id": 0}, True),
+        ("bart", "BartConfig", "BartForConditionalGeneration",
+         {"encoder_layers": 2, "decoder_layers": 2, "d_model": 32, "encoder_ffn_dim": 64,
+          "decoder_ffn_dim": 64, "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+          "vocab_size": 128, "max_position_embeddings": 64}, True),
+    ]  # fmt: skip
+    cases: list[Case] = []
+    for name, config_class, model_class, settings, seq2seq in specs:
+        if not hasattr(T, config_class) or not hasattr(T, model_class):
+            continue  # an older transformers without this family
+        config = getattr(T, config_class)(**settings)
+        for attr in (  # dropout on wherever the family has it
+            "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate",
+            "dropout", "attention_dropout", "hidden_dropout", "resid_pdrop",
+            "embd_pdrop", "attn_pdrop",
+        ):  # fmt: skip
+            if hasattr(config, attr):
+                setattr(config, attr, 0.1)
+        inputs: dict[str, Any] = {"input_ids": ids}
+        if seq2seq:
+            inputs["labels"] = ids
+        if seq2seq or "Causal" in model_class or "LMHead" in model_class:
+            # a plain run with the cache computes differently (HF turns the
+            # cache off under checkpointing): compare like with like
+            inputs["use_cache"] = False
+        loss = (
+            (lambda out: out.loss.float())
+            if seq2seq
+            else (lambda out: out.logits.float().sum())
+        )
+        build = functools.partial(getattr(T, model_class), config)
+        cases.append((f"transformers {name}", build, inputs, loss, "hf"))
+    return cases
+
+
+def checkpoint_vision(model: nn.Module, options: dict[str, Any]) -> nn.Module:
+    """``checkpoint_blocks``; where it finds no stack of repeated blocks and
+    says so (MobileNetV2, VGG and DenseNet ``features`` mix classes), the
+    ``features`` trunk as one ``CheckpointedSequential``, as its warning
+    suggests."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seqckpt.checkpoint_blocks(model, **options)
+    none_found = any("found no stack" in str(w.message) for w in caught)
+    features = getattr(model, "features", None)
+    if none_found and isinstance(features, nn.Sequential):
+        model.features = seqckpt.CheckpointedSequential.from_sequential(
+            features, **options
+        )
+    elif none_found:
+        print(f"  ({type(model).__name__}: nothing found to checkpoint)")
+    return model
+
+
+def convert(kind: str, options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
+    if kind == "vision":
+        return lambda model: checkpoint_vision(model, options)
+
+    def use(model: nn.Module) -> nn.Module:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
+        model._set_gradient_checkpointing(  # type: ignore[operator]
+            enable=True,
+            gradient_checkpointing_func=functools.partial(
+                seqckpt.checkpoint, **options
+            ),
+        )
+        return model
+
+    return use
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--policies", default="none", help=f"comma-separated, of {', '.join(POLICIES)}"
+    )
+    parser.add_argument(
+        "--only", default="", help="comma-separated parts of model names"
+    )
+    args = parser.parse_args(argv)
+    chosen = [p.strip() for p in args.policies.split(",")]
+    unknown = [p for p in chosen if p not in POLICIES]
+    if unknown:
+        parser.error(
+            f"--policies: unknown {unknown}; choose from {', '.join(POLICIES)}"
+        )
+    only = [w for w in args.only.split(",") if w]
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    cases: list[Case] = []
+    for package, make in (
+        ("torchvision", torchvision_cases),
+        ("timm", timm_cases),
+        ("transformers", transformers_cases),
+    ):
+        if importlib.util.find_spec(package) is None:
+            print(f"{package}: not installed, skipped")
+            continue
+        cases += make()
+    failed = 0
+    for name, build, inputs, loss, kind in cases:
+        if only and not any(w in name for w in only):
+            continue
+        for policy in chosen:
+            started = time.perf_counter()
+            try:
+                plain, ckpt = compare(
+                    build, inputs, convert(kind, POLICIES[policy]), loss
+                )
+            except Exception as error:  # reported per model; the sweep goes on
+                failed += 1
+                print(f"{name:<48} {policy:<14} FAILED {type(error).__name__}: {error}")
+                continue
+            print(
+                f"{name:<48} {policy:<14} bitwise equal, peak {plain / 2**20:6.2f} -> "
+                f"{ckpt / 2**20:6.2f} MiB ({time.perf_counter() - started:4.1f} s)",
+                flush=True,
+            )
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
