@@ -401,7 +401,8 @@ def naming(keeping: Keeping, names: frozenset[str]) -> Iterator[None]:
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Mark ``tensor`` with a name a :func:`names` policy can keep; returns the
-    tensor itself. Outside a region whose policy keeps this name it does nothing.
+    tensor itself. Outside a region whose policy keeps this name, and under
+    ``torch.compile`` (where a names policy keeps nothing), it does nothing.
 
     Example:
         >>> import torch, seqckpt
@@ -414,6 +415,9 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """
     if not isinstance(label, str):
         raise TypeError(f"seqckpt: name() takes a string label, got {label!r}.")
+    if torch.compiler.is_compiling():
+        return tensor  # names keep nothing under compile (and dynamo cannot
+        # trace the context variable that finds the naming region)
     for keeping, wanted in reversed(_NAMING.get()):
         if label in wanted:
             keeping.name(tensor)

@@ -178,3 +178,21 @@ def test_export_in_eval_mode() -> None:
     exported = torch.export.export(model, (x,))
     assert torch.equal(exported.module()(x), model(x))
     assert list(exported.state_dict) == list(model.state_dict())
+
+
+def test_named_tensors_compile_without_graph_breaks() -> None:
+    """seqckpt.name inside a compiled function is a no-op that dynamo traces
+    (fullgraph), with or without a names policy around it."""
+    import seqckpt
+
+    lin = nn.Linear(8, 8)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return seqckpt.name(lin(t), "h").tanh()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    keep_h = seqckpt.policies.names("h")  # made outside: dynamo takes it as a constant
+    for fn in (block, lambda t: seqckpt.checkpoint(block, t, policy=keep_h)):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        assert torch.equal(compiled(x), block(x))
