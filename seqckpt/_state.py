@@ -79,7 +79,12 @@ def is_checkpointing() -> bool:
         >>> y = seqckpt.checkpoint(f, torch.ones(2, requires_grad=True))
         >>> seqckpt.is_checkpointing()
         False
+
+    Under ``torch.compile`` it is ``False``: the compiled graph is traced once
+    and recomputes without running Python.
     """
+    if torch.compiler.is_compiling():
+        return False  # (dynamo cannot trace the context variable)
     return _CHECKPOINTING.get() > 0
 
 
@@ -98,7 +103,11 @@ def is_recomputing() -> bool:
         >>> seqckpt.checkpoint(f, torch.ones(2, requires_grad=True)).sum().backward()
         >>> seen
         [False, True]
+
+    Under ``torch.compile`` it is ``False`` (see :func:`is_checkpointing`).
     """
+    if torch.compiler.is_compiling():
+        return False
     return _RECOMPUTING.get() > 0
 
 

@@ -180,19 +180,31 @@ def test_export_in_eval_mode() -> None:
     assert list(exported.state_dict) == list(model.state_dict())
 
 
-def test_named_tensors_compile_without_graph_breaks() -> None:
-    """seqckpt.name inside a compiled function is a no-op that dynamo traces
-    (fullgraph), with or without a names policy around it."""
+def test_names_and_flags_compile_without_graph_breaks() -> None:
+    """seqckpt.name (a no-op there) and is_checkpointing / is_recomputing (False
+    there: the compiled graph recomputes without Python) inside a compiled
+    function, a checkpointed one and a module hook: dynamo traces them all
+    (fullgraph)."""
     import seqckpt
 
-    lin = nn.Linear(8, 8)
+    lin = nn.Sequential(nn.Linear(8, 8))
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        # no side effect: dynamo refuses those inside a checkpoint
+        return (
+            out + 1 if seqckpt.is_recomputing() or seqckpt.is_checkpointing() else out
+        )
+
+    lin[0].register_forward_hook(hook)
 
     def block(t: torch.Tensor) -> torch.Tensor:
-        return seqckpt.name(lin(t), "h").tanh()
+        h = seqckpt.name(lin(t), "h").tanh()
+        return h * 2 if seqckpt.is_recomputing() or seqckpt.is_checkpointing() else h
 
     x = torch.randn(4, 8, requires_grad=True)
+    expected = lin(x).tanh()
     keep_h = seqckpt.policies.names("h")  # made outside: dynamo takes it as a constant
     for fn in (block, lambda t: seqckpt.checkpoint(block, t, policy=keep_h)):
         torch._dynamo.reset()
         compiled = torch.compile(fn, fullgraph=True, backend="eager")
-        assert torch.equal(compiled(x), block(x))
+        assert torch.equal(compiled(x), expected)
