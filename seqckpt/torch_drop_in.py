@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from seqckpt.checkpoint import checkpoint
@@ -33,8 +34,7 @@ _active = 0  # blocks open, in all threads
 _saved: tuple[Any, Any] = (None, None)  # torch's functions, while any is open
 
 
-@contextlib.contextmanager
-def replace_torch_checkpoint() -> Iterator[None]:
+def replace_torch_checkpoint() -> contextlib.AbstractContextManager[None]:
     """Make ``torch.utils.checkpoint.checkpoint`` and ``checkpoint_sequential``
     seqckpt's while the block runs; torch's come back when it ends (also on an
     error).
@@ -43,7 +43,8 @@ def replace_torch_checkpoint() -> Iterator[None]:
     threads see it too while a block is open. Blocks may nest and may be open
     in several threads at once; torch's functions come back when the last one
     ends. Under ``torch.compile`` nothing changes: seqckpt's checkpoint hands
-    compiled code to torch's own.
+    compiled code to torch's own, and a block opened inside a compiled
+    function does nothing (so it does not break the graph).
 
     Example:
         >>> import torch, torch.utils.checkpoint, seqckpt
@@ -57,6 +58,13 @@ def replace_torch_checkpoint() -> Iterator[None]:
         False
         >>> y.sum().backward()
     """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _replacing()
+
+
+@contextlib.contextmanager
+def _replacing() -> Iterator[None]:
     global _active, _saved
     module = _torch_checkpoint
     with _LOCK:

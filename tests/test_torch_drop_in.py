@@ -138,8 +138,25 @@ def test_compiled_code_still_gets_torchs_checkpoint(
     module = sys.modules["seqckpt.checkpoint"]  # (the package exports a function
     # of the same name)
     monkeypatch.setattr(module, "TORCH_CHECKPOINT", torch_checkpoint_counted)
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-    with replace_torch_checkpoint():
+    with replace_torch_checkpoint():  # opened outside the compiled code
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         library_every_block(model, torch.randn(2, 8, requires_grad=True))
+        monkeypatch.undo()
     assert calls == [1, 1]
+
+
+def test_a_block_opened_inside_compiled_code_keeps_the_graph_whole() -> None:
+    # A lock cannot be traced: inside compiled code the block does nothing
+    # (seqckpt's checkpoint would hand the call to torch's there anyway).
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        with replace_torch_checkpoint():
+            return torch.utils.checkpoint.checkpoint(model, t, use_reentrant=False)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, backend="eager")
+    x = torch.randn(2, 8, requires_grad=True)
+    assert torch.equal(compiled(x), model(x))
+    assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
