@@ -33,7 +33,7 @@ import contextlib
 import contextvars
 import functools
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,13 +92,7 @@ class Policy:
     def keeps(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the output of aten op ``func`` called with these arguments
         is kept (names are handled separately, see :func:`seqckpt.name`)."""
-        if self.ops:
-            schema = func._schema
-            if schema.name in self.ops:
-                return True
-            if f"{schema.name}.{schema.overload_name or 'default'}" in self.ops:
-                return True
-        return self.keep is not None and bool(self.keep(func, *args, **kwargs))
+        return _keeps(self.ops, self.keep, func, args, kwargs)
 
     def __str__(self) -> str:
         if self.label is not None:
@@ -130,20 +124,47 @@ class Policy:
         raise ValueError(f"seqckpt: not a policy: {data!r}")
 
 
+def _keeps(
+    ops: Collection[str],
+    keep: Callable[..., bool] | None,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> bool:
+    if ops:
+        schema = func._schema
+        if schema.name in ops:
+            return True
+        if f"{schema.name}.{schema.overload_name or 'default'}" in ops:
+            return True
+    return keep is not None and bool(keep(func, *args, **kwargs))
+
+
 def _torch_selective(policy: Policy) -> Callable[[], Any]:
     """The policy as torch's selective checkpointing: the ops it keeps must be
-    saved, everything else is recomputed."""
-    from torch.utils.checkpoint import (
-        CheckpointPolicy,
-        create_selective_checkpoint_contexts,
-    )
+    saved, everything else is recomputed. Made of partials of module-level
+    functions over the policy's parts, which dynamo can take as a constant even
+    where the policy is made while it traces (a list or callable given inside
+    a compiled function)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    def decide(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        if policy.keeps(func, args, kwargs):
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
+    decide = functools.partial(_sac_decision, tuple(sorted(policy.ops)), policy.keep)
     return functools.partial(create_selective_checkpoint_contexts, decide)
+
+
+def _sac_decision(
+    ops: tuple[str, ...],
+    keep: Callable[..., bool] | None,
+    ctx: Any,
+    func: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if _keeps(ops, keep, func, args, kwargs):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 COMPUTE_HEAVY = Policy(frozenset(_HEAVY_OPS), label="compute_heavy")

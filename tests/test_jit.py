@@ -208,3 +208,27 @@ def test_names_and_flags_compile_without_graph_breaks() -> None:
         torch._dynamo.reset()
         compiled = torch.compile(fn, fullgraph=True, backend="eager")
         assert torch.equal(compiled(x), expected)
+
+
+def test_policies_made_inside_compiled_code() -> None:
+    """A list of ops or a callable given as policy= inside the compiled function
+    (HF passes partial(seqckpt.checkpoint, policy=...) and the policy is made at
+    each call): dynamo takes the selective-checkpointing context as a constant."""
+    import seqckpt
+
+    model = tanh_chain(2)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def keep_addmm(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op is torch.ops.aten.addmm.default
+
+    expected = torch.autograd.grad(model(x).sum(), x)[0]
+    for policy in ([torch.ops.aten.addmm], keep_addmm):
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda t, p=policy: seqckpt.checkpoint(model, t, policy=p),
+            fullgraph=True,
+            backend="eager",
+        )
+        (got,) = torch.autograd.grad(compiled(x).sum(), x)
+        assert torch.allclose(got, expected, atol=1e-6)
