@@ -232,3 +232,20 @@ def test_policies_made_inside_compiled_code() -> None:
         )
         (got,) = torch.autograd.grad(compiled(x).sum(), x)
         assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_segments_auto_compiles_after_an_eager_step() -> None:
+    """segments='auto' profiles in eager mode; once a step has run there, the
+    compiled model (fullgraph) uses the plan chosen for the input."""
+    model = CheckpointedSequential(
+        *tanh_chain(6), segments="auto", memory_budget="1MiB"
+    )
+    x = torch.randn(8, 16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with pytest.raises(Exception):  # noqa: B017 (dynamo wraps seqckpt's error)
+        compiled(x)  # the profile cannot run while dynamo traces
+    model(x).sum().backward()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), model(x))
