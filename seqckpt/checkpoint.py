@@ -635,7 +635,9 @@ class _Region:
                     # every module the region calls, however it reaches it
                     setup.enter_context(watching_modules(guard.watch))
                 if options.context_fn is not None:
-                    forward_context, self.recompute_context = options.context_fn()
+                    forward_context, self.recompute_context = _two_contexts(
+                        options.context_fn
+                    )
                     setup.enter_context(forward_context)
                 if policy is not None and not self.keep_later:
                     self.kept = Kept()
@@ -907,6 +909,20 @@ class _Region:
             "replayed), nondeterministic kernels, or state changed between the "
             "runs." + debug
         )
+
+
+def _two_contexts(
+    context_fn: ContextFn,
+) -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+    contexts = context_fn()
+    if not (isinstance(contexts, tuple | list) and len(contexts) == 2):
+        raise TypeError(
+            f"seqckpt: context_fn must return two context managers (one around "
+            f"the forward, one around each recompute), as torch's takes it; "
+            f"{_name(context_fn)} returned {contexts!r}. For one context in both "
+            "passes, return (ctx(), ctx())."
+        )
+    return contexts[0], contexts[1]
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

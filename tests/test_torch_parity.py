@@ -9,6 +9,7 @@ differs from torch the test says so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable
@@ -655,6 +656,19 @@ def test_a_failing_context_fn_leaves_nothing_behind() -> None:
     assert info.traceback is not None
     assert len(nn_module._global_forward_pre_hooks) == hooks
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+@pytest.mark.parametrize(
+    "returned", [None, contextlib.nullcontext(), (contextlib.nullcontext(),)]
+)
+def test_a_context_fn_returning_other_than_two_contexts_is_named(
+    returned: Any,
+) -> None:
+    x = torch.randn(2, 4, requires_grad=True)
+    with pytest.raises(TypeError, match="context_fn must return two context"):
+        checkpoint(nn.Linear(4, 4), x, context_fn=lambda: returned)
+    assert not seqckpt.is_checkpointing()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 # ------------------------------------------------------------ torch.func
