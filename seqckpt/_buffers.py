@@ -169,8 +169,12 @@ def survey(modules: Iterable[nn.Module]) -> tuple[nn.Module | None, bool]:
         m = todo.pop()
         if not state:
             state = bool(m._buffers) or any(map(_stand_in, m._parameters.values()))
-        if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params():  # type: ignore[no-untyped-call]
-            lazy = lazy or m
+        if (
+            lazy is None
+            and isinstance(m, LazyModuleMixin)
+            and m.has_uninitialized_params()  # type: ignore[no-untyped-call]
+        ):
+            lazy = m
         todo.extend(m._modules.values())  # type: ignore[arg-type]
     return lazy, state
 
