@@ -54,3 +54,19 @@ def test_hf_transformers_with_seqckpt_as_the_checkpoint_function(
         f.func.__module__ == "seqckpt.checkpoint" for f in functions
     )
     check(example, "transformers")
+
+
+@pytest.mark.slow
+def test_model_sweep_runs_where_its_packages_are(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A few models of the wider sweep, every policy, so the script does not rot.
+    pytest.importorskip("torchvision")
+    pytest.importorskip("transformers")
+    sweep = runpy.run_path(str(EXAMPLE.parent / "model_sweep.py"))
+    code = sweep["main"](
+        ["--only", "mobilenet_v2,gpt2", "--policies", "none,compute_heavy,everything"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("bitwise equal") == 6 and "0 failed" in out
