@@ -65,13 +65,63 @@ class Copies(nn.Module):
         return x.clone().tanh() + x.detach() * 0.5
 
 
+class Attention(nn.Module):
+    """Scaled-dot-product attention with dropout (random in training) and a
+    residual: the selective policies' favourite op."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(0).chunk(3, -1)
+        p = 0.1 if self.training else 0.0
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        return x + attended.squeeze(0)
+
+
+class InPlaceInside(nn.Module):
+    """An activation applied in place to an intermediate (not to the input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu_() + x
+
+
+class Nested(nn.Module):
+    """A block that checkpoints part of itself, with or without a policy."""
+
+    def __init__(self, width: int, policy: str | None) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2))
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + seqckpt.checkpoint(self.inner, x, policy=self.policy)
+
+
 @st.composite
 def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
     width = draw(st.integers(2, 12))
     items: list[nn.Module] = [nn.Linear(width, width)]  # something to train
     for _ in range(draw(st.integers(0, 8))):
         kind = draw(
-            st.sampled_from(["linear", "dropout", "bn", "act", "pair", "copies"])
+            st.sampled_from(
+                [
+                    "linear",
+                    "dropout",
+                    "bn",
+                    "act",
+                    "pair",
+                    "copies",
+                    "attention",
+                    "in_place_inside",
+                    "nested",
+                ]
+            )  # fmt: skip
         )
         if kind == "linear":
             items.append(nn.Linear(width, width))
@@ -83,6 +133,12 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
             items.append(draw(st.sampled_from([nn.GELU, nn.Tanh, nn.ReLU]))())
         elif kind == "copies":
             items.append(Copies())
+        elif kind == "attention":
+            items.append(Attention(width))
+        elif kind == "in_place_inside":
+            items.append(InPlaceInside(width))
+        elif kind == "nested":
+            items.append(Nested(width, draw(st.sampled_from([None, "compute_heavy"]))))
         else:
             items += [Split(), Join(width)]
     torch.manual_seed(draw(st.integers(0, 1000)))
