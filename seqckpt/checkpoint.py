@@ -163,7 +163,7 @@ def checkpoint(
             :func:`seqckpt.name`, or a callable ``(op, *args, **kwargs) ->
             bool``. Kept outputs are served to the recompute instead of being
             computed again; under ``torch.compile`` the policy becomes torch's
-            selective checkpointing (names keep nothing there).
+            selective checkpointing (a kept name becomes a saved graph op).
         **kwargs: keyword arguments for ``function``.
 
     Returns:

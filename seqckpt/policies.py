@@ -64,6 +64,42 @@ _HEAVY_OPS = (
 )
 
 
+# Every name a names policy keeps (see name(): under torch.compile only these
+# become ops of the graph).
+_POLICY_NAMES: set[str] = set()
+
+
+def _define_name_op() -> Any:
+    """``seqckpt::named(tensor, label)``: a copy of ``tensor``, differentiable
+    as the identity; what :func:`name` puts in a compiled graph (None where
+    this torch has no ``torch.library.custom_op``)."""
+    custom_op = getattr(torch.library, "custom_op", None)
+    if custom_op is None:
+        return None
+    try:
+        named = custom_op("seqckpt::named", mutates_args=())(_copy_named)
+    except RuntimeError:  # defined already (the module imported again)
+        return torch.ops.seqckpt.named.default
+    named.register_fake(_copy_named_fake)
+    named.register_autograd(_named_backward)
+    return torch.ops.seqckpt.named.default
+
+
+def _copy_named(tensor: torch.Tensor, label: str) -> torch.Tensor:
+    return tensor.clone()
+
+
+def _copy_named_fake(tensor: torch.Tensor, label: str) -> torch.Tensor:
+    return torch.empty_like(tensor)
+
+
+def _named_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None
+
+
+_NAME_OP = _define_name_op()
+
+
 @dataclass(frozen=True)
 class Policy:
     """Which results a checkpointed region keeps in forward.
@@ -88,11 +124,12 @@ class Policy:
         # torch's selective checkpointing for torch.compile, made here, before
         # any tracing: dynamo takes a context_fn only as a constant.
         object.__setattr__(self, "torch_context_fn", _torch_selective(self))
+        _POLICY_NAMES.update(self.names)
 
     def keeps(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the output of aten op ``func`` called with these arguments
         is kept (names are handled separately, see :func:`seqckpt.name`)."""
-        return _keeps(self.ops, self.keep, func, args, kwargs)
+        return _keeps(self.ops, self.names, self.keep, func, args, kwargs)
 
     def __str__(self) -> str:
         if self.label is not None:
@@ -126,6 +163,7 @@ class Policy:
 
 def _keeps(
     ops: Collection[str],
+    names: Collection[str],
     keep: Callable[..., bool] | None,
     func: Any,
     args: tuple[Any, ...],
@@ -137,6 +175,8 @@ def _keeps(
             return True
         if f"{schema.name}.{schema.overload_name or 'default'}" in ops:
             return True
+    if names and func is _NAME_OP and args[1] in names:
+        return True  # a name in a compiled graph (see name())
     return keep is not None and bool(keep(func, *args, **kwargs))
 
 
@@ -148,12 +188,18 @@ def _torch_selective(policy: Policy) -> Callable[[], Any]:
     a compiled function)."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    decide = functools.partial(_sac_decision, tuple(sorted(policy.ops)), policy.keep)
+    decide = functools.partial(
+        _sac_decision,
+        tuple(sorted(policy.ops)),
+        tuple(sorted(policy.names)),
+        policy.keep,
+    )
     return functools.partial(create_selective_checkpoint_contexts, decide)
 
 
 def _sac_decision(
     ops: tuple[str, ...],
+    names: tuple[str, ...],
     keep: Callable[..., bool] | None,
     ctx: Any,
     func: Any,
@@ -162,7 +208,7 @@ def _sac_decision(
 ) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if _keeps(ops, keep, func, args, kwargs):
+    if _keeps(ops, names, keep, func, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -422,8 +468,11 @@ def naming(keeping: Keeping, names: frozenset[str]) -> Iterator[None]:
 
 def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     """Mark ``tensor`` with a name a :func:`names` policy can keep; returns the
-    tensor itself. Outside a region whose policy keeps this name, and under
-    ``torch.compile`` (where a names policy keeps nothing), it does nothing.
+    tensor itself. Outside a region whose policy keeps this name it does
+    nothing. Under ``torch.compile`` a name that a names policy keeps becomes
+    an op of the graph (``seqckpt::named``, a copy of the tensor) that torch's
+    selective checkpointing is told to save, so the op that produced it is not
+    recomputed there either.
 
     Example:
         >>> import torch, seqckpt
@@ -437,8 +486,12 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
     if not isinstance(label, str):
         raise TypeError(f"seqckpt: name() takes a string label, got {label!r}.")
     if torch.compiler.is_compiling():
-        return tensor  # names keep nothing under compile (and dynamo cannot
-        # trace the context variable that finds the naming region)
+        # Dynamo cannot trace the lookup below. A name some names policy keeps
+        # becomes seqckpt::named in the graph, whose output torch's selective
+        # checkpointing saves (see _keeps); other names cost nothing.
+        if label in _POLICY_NAMES and _NAME_OP is not None:
+            return _NAME_OP(tensor, label)  # type: ignore[no-any-return]
+        return tensor
     for keeping, wanted in reversed(_NAMING.get()):
         if label in wanted:
             keeping.name(tensor)

@@ -249,3 +249,40 @@ def test_segments_auto_compiles_after_an_eager_step() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), model(x))
+
+
+@pytest.mark.slow
+def test_compiled_names_policy_keeps_the_named_tensor() -> None:
+    """Under torch.compile a kept name becomes seqckpt::named in the graph,
+    saved by torch's selective checkpointing: the compiled backward receives
+    the named tensor and does not recompute the matmul that produced it."""
+    import seqckpt
+
+    torch.manual_seed(0)
+    w1 = torch.randn(16, 16, requires_grad=True)
+    w2 = torch.randn(16, 16, requires_grad=True)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return (seqckpt.name(t @ w1, "h").tanh() @ w2).sin()
+
+    x = torch.randn(4, 16, requires_grad=True)
+    expected = torch.autograd.grad(block(x).sum(), [x, w1, w2])
+    keep_h = seqckpt.policies.names("h")
+    matmuls = {}
+    for policy in (None, keep_h):
+        graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            lambda t, p=policy: seqckpt.checkpoint(block, t, policy=p),
+            fullgraph=True,
+            backend=recording_backend(graphs),
+        )
+        got = torch.autograd.grad(compiled(x).sum(), [x, w1, w2])
+        assert all(
+            torch.allclose(a, b, atol=1e-5) for a, b in zip(got, expected, strict=True)
+        )
+        (backward,) = graphs["backward"]
+        matmuls[policy] = count(backward, torch.ops.aten.mm.default)
+        # a name some names policy keeps is in the graph, whatever this policy
+        assert count(graphs["forward"][0], torch.ops.seqckpt.named.default) == 1
+    assert matmuls[keep_h] == matmuls[None] - 1  # t @ w1 is not run again
