@@ -13,7 +13,8 @@ and save it to JSON:
   ``torch.ops.aten.mm.default``), or :func:`ops`;
 - :func:`names`: the tensors marked in user code with :func:`seqckpt.name`, so
   a model author says what to keep without knowing aten (as JAX's
-  ``save_only_these_names`` with ``checkpoint_name``);
+  ``save_only_these_names`` with ``checkpoint_name``); under ``torch.compile``
+  a kept name is an op of the graph that torch's selective checkpointing saves;
 - a callable ``policy(op, *args, **kwargs) -> bool`` (True: keep this op's
   output); works in eager mode and under ``torch.compile``, but a plan holding
   one cannot be written to JSON.
