@@ -53,7 +53,7 @@ def test_every_policy_form_is_bitwise(form: str) -> None:
     assert_matches_plain(mlp(), x, lambda m, t: checkpoint(m, t, policy=POLICIES[form]))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(chains(), st.sampled_from(list(POLICIES)), st.data())
 def test_policies_on_random_chains(case: Any, form: str, data: st.DataObject) -> None:
     model, width = case

@@ -160,7 +160,7 @@ def plans(draw: st.DrawFn, start: int, stop: int, depth: int = 0) -> Plan:
     return Plan(tuple(items))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(chains(), st.data())
 def test_random_chains_and_segments_match_plain(
     case: tuple[nn.Sequential, int], data: st.DataObject
