@@ -286,3 +286,23 @@ def test_compiled_names_policy_keeps_the_named_tensor() -> None:
         # a name some names policy keeps is in the graph, whatever this policy
         assert count(graphs["forward"][0], torch.ops.seqckpt.named.default) == 1
     assert matmuls[keep_h] == matmuls[None] - 1  # t @ w1 is not run again
+
+
+def test_compiled_checkpoints_do_not_recompile() -> None:
+    """Calling a compiled function again with a fresh input of the same shape
+    reuses its graph (torch pins the same for its checkpoint): nothing seqckpt
+    builds per call (options, policies, the selective context) is guarded on."""
+    import seqckpt
+
+    model = tanh_chain(2)
+    module = CheckpointedSequential(*tanh_chain(3), segments=2, policy="compute_heavy")
+    for fn in (
+        lambda t: seqckpt.checkpoint(model, t),
+        lambda t: seqckpt.checkpoint(model, t, policy=[torch.ops.aten.addmm]),
+        module,
+    ):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="eager")
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):
+                compiled(torch.randn(4, 16, requires_grad=True)).sum().backward()
