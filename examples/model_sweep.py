@@ -7,7 +7,7 @@ Vision models go through ``seqckpt.checkpoint_blocks(model, policy=...)`` (or,
 where it finds no stack of repeated blocks, their ``features`` trunk becomes
 one ``CheckpointedSequential``); HF
 models get ``seqckpt.checkpoint`` (with the policy) as their checkpoint
-function, as in ``real_models.use_seqckpt``. Dropout, stochastic depth, MoE
+function through ``real_models.use_seqckpt``. Dropout, stochastic depth, MoE
 router noise, BatchNorm and in-place activations are left on where the model
 has them. Sizes are small: this checks correctness, not speed.
 
@@ -40,7 +40,7 @@ from torch import nn
 import seqckpt
 
 sys.path.insert(0, str(Path(__file__).parent))
-from real_models import compare  # noqa: E402
+from real_models import compare, use_seqckpt  # noqa: E402
 
 Case = tuple[str, Callable[[], nn.Module], Any, Callable[[Any], torch.Tensor], str]
 POLICIES: dict[str, dict[str, Any]] = {
@@ -268,19 +268,7 @@ def checkpoint_vision(model: nn.Module, options: dict[str, Any]) -> nn.Module:
 def convert(kind: str, options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     if kind == "vision":
         return lambda model: checkpoint_vision(model, options)
-
-    def use(model: nn.Module) -> nn.Module:
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        (enable or model.gradient_checkpointing_enable)()
-        model._set_gradient_checkpointing(  # type: ignore[operator]
-            enable=True,
-            gradient_checkpointing_func=functools.partial(
-                seqckpt.checkpoint, **options
-            ),
-        )
-        return model
-
-    return use
+    return lambda model: use_seqckpt(model, **options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,8 +170,9 @@ def check_timm() -> dict[str, tuple[int, int]]:
 # ---------------------------------------------------------------- transformers
 
 
-def use_seqckpt(model: nn.Module) -> nn.Module:
-    """Make seqckpt the checkpoint function of an HF model."""
+def use_seqckpt(model: nn.Module, **options: Any) -> nn.Module:
+    """Make seqckpt the checkpoint function of an HF model (``options``: for
+    :func:`seqckpt.checkpoint`, such as ``policy``)."""
     enable = getattr(model, "activation_checkpointing_enable", None)
     if enable is None:  # transformers 4
         enable = model.gradient_checkpointing_enable
@@ -179,7 +180,7 @@ def use_seqckpt(model: nn.Module) -> nn.Module:
     model._set_gradient_checkpointing(  # private: the only route for a function
         enable=True,
         gradient_checkpointing_func=functools.partial(
-            seqckpt.checkpoint, use_reentrant=False
+            seqckpt.checkpoint, use_reentrant=False, **options
         ),
     )
     return model
