@@ -358,46 +358,36 @@ def _auto_choice(
 
     Under ``torch.distributed`` every rank plans at the same call with the
     smallest budget of all ranks, and every rank uses rank 0's plan."""
-    if torch.compiler.is_compiling():  # dynamo cannot trace the clock
-        return _choose(frontier, chain, input, size, memory_budget)
-    began = time.perf_counter()
+    timed = not torch.compiler.is_compiling()  # dynamo cannot trace the clock
+    began = time.perf_counter() if timed else 0.0
     try:
-        return _choose(frontier, chain, input, size, memory_budget)
+        budget = (
+            _device_budget(chain, input)
+            if memory_budget is None
+            else budget_now(memory_budget)
+        )
+        if _distributed():  # every call: all ranks then share the cache's keys
+            budget = _smallest_on_any_rank(budget, input)
+        key = (size, budget)
+        cached = _AUTO_CACHE.get(key)
+        if cached is not None and cached[0] is frontier:
+            return cached[1]
+        if _distributed():
+            try:
+                result: Plan | PlanError = frontier.plan_for(size, budget)
+            except PlanError as error:
+                result = error
+            chosen = _rank_zero_plan(result, input)
+        else:
+            chosen = frontier.plan_for(size, budget)
+        _AUTO_CACHE[key] = (frontier, chosen)
+        if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
+            _AUTO_CACHE.popitem(last=False)
+        return chosen
     finally:
-        AUTO_STATS.steps += 1
-        AUTO_STATS.plan_seconds += time.perf_counter() - began
-
-
-def _choose(
-    frontier: Frontier,
-    chain: Sequence[Any],
-    input: Any,
-    size: int,
-    memory_budget: BudgetSource | None,
-) -> Plan:
-    budget = (
-        _device_budget(chain, input)
-        if memory_budget is None
-        else budget_now(memory_budget)
-    )
-    if _distributed():  # every call: all ranks then share the cache's keys
-        budget = _smallest_on_any_rank(budget, input)
-    key = (size, budget)
-    cached = _AUTO_CACHE.get(key)
-    if cached is not None and cached[0] is frontier:
-        return cached[1]
-    if _distributed():
-        try:
-            result: Plan | PlanError = frontier.plan_for(size, budget)
-        except PlanError as error:
-            result = error
-        chosen = _rank_zero_plan(result, input)
-    else:
-        chosen = frontier.plan_for(size, budget)
-    _AUTO_CACHE[key] = (frontier, chosen)
-    if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
-        _AUTO_CACHE.popitem(last=False)
-    return chosen
+        if timed:
+            AUTO_STATS.steps += 1
+            AUTO_STATS.plan_seconds += time.perf_counter() - began
 
 
 # Devices on which segments="auto" measures the first step of each size class
