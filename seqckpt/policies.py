@@ -129,7 +129,9 @@ class Policy:
 
     def keeps(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether the output of aten op ``func`` called with these arguments
-        is kept (names are handled separately, see :func:`seqckpt.name`)."""
+        is kept. Names reach it only as the graph op a compiled
+        :func:`seqckpt.name` becomes; in eager mode the region's ``Keeping``
+        mode is told of each named tensor directly (see :func:`seqckpt.name`)."""
         return _keeps(self.ops, self.names, self.keep, func, args, kwargs)
 
     def __str__(self) -> str:

@@ -266,11 +266,12 @@ class CheckpointedSequential(nn.Sequential):
         ``CheckpointedSequential`` configured as this one."""
         new = type(self)(OrderedDict(modules._modules))
         new.options, new.policy = self.options, self.policy
-        new.memory_budget, new.segments = self.memory_budget, self.segments
+        new.memory_budget = self.memory_budget
         if isinstance(self.segments, int) and len(new) > 0:
             new.segments = min(self.segments, len(new))
-        elif self.segments != "auto":
-            new.segments = None  # sizes or a plan fit only the whole chain
+        elif self.segments == "auto":
+            new.segments = "auto"
+        # else the default (None): sizes or a plan fit only the whole chain
         new.train(self.training)
         return new
 
