@@ -329,12 +329,22 @@ def run_region(
     return result
 
 
+# What torch's early-stop switch held at import: None where unset; True on
+# older torch (2.8 among them), whose default is True, so that there only
+# set_checkpoint_early_stop(False) can be told apart from the default.
+_TORCH_EARLY_STOP_DEFAULT = getattr(
+    _torch_checkpoint, "_enable_checkpoint_early_stop", None
+)
+
+
 def _with_torch_switches(options: Options) -> Options:
     """``options`` with torch's global switches applied, where one of
     ``torch.utils.checkpoint.set_checkpoint_early_stop`` and
     ``set_checkpoint_debug_enabled`` is active: as in torch, they win over the
     keywords, and a region keeps what was set when its forward ran."""
     early_stop = getattr(_torch_checkpoint, "_enable_checkpoint_early_stop", None)
+    if early_stop is True and _TORCH_EARLY_STOP_DEFAULT is True:
+        early_stop = None  # older torch's default, not a switch set
     debug = getattr(_torch_checkpoint, "_checkpoint_debug_enabled", None)
     if early_stop is None and debug is None:
         return options

@@ -11,6 +11,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from seqckpt._buffers import modules_of
 from seqckpt.checkpoint import DEFAULT_OPTIONS, Options, run_region
 from seqckpt.planner.tree import Plan, PlanError, Run, plan_from_sizes, uniform_plan
@@ -103,7 +105,12 @@ def run_plan(
             if item.policy is not options.policy:
                 inner_options = dataclasses.replace(options, policy=item.policy)
             region = functools.partial(run_plan, item.inner, modules, options=options)
-            runs = modules_of(tuple(modules[item.start : item.stop]))
+            # (compiled code hands regions to torch, which needs no walk)
+            runs = (
+                None
+                if torch.compiler.is_compiling()
+                else modules_of(tuple(modules[item.start : item.stop]))
+            )
             name = f"layers {item.start}-{item.stop - 1}"  # what errors call it
             x = run_region(region, (x,), {}, inner_options, runs, name)
     return x

@@ -243,7 +243,10 @@ def ops(*selected: Any) -> Policy:
         >>> str(ops(torch.ops.aten.mm, torch.ops.aten.bmm.default))
         'keep(aten::bmm.default, aten::mm)'
     """
-    return Policy(frozenset(_op_name(op) for op in selected))
+    # Every field given: dynamo 2.8 fails building a guard on a field's default
+    # when the policy is made inside compiled code.
+    kept = frozenset([_op_name(op) for op in selected])
+    return Policy(ops=kept, names=frozenset(), label=None, keep=None)
 
 
 def names(*selected: str) -> Policy:
@@ -276,7 +279,8 @@ def as_policy(policy: object) -> Policy | None:
         return ops(*policy)
     if callable(policy):
         label = getattr(policy, "__name__", None)
-        return Policy(keep=policy, label=label)
+        # every field given, as in ops()
+        return Policy(ops=frozenset(), names=frozenset(), label=label, keep=policy)
     raise TypeError(
         f"seqckpt: argument 'policy' must be None, 'compute_heavy', a collection "
         f"of aten ops, seqckpt.policies.names(...) or a callable, got {policy!r}."

@@ -69,7 +69,7 @@ def test_ddp_gradients_equal_a_single_process(
 
 
 @pytest.mark.parametrize("kind", ["module", "plan"])
-def test_fsdp2_gradients_equal_a_single_process(kind: str) -> None:
+def test_fsdp2_gradients_equal_plain_fsdp2(kind: str) -> None:
     run_two_ranks("fsdp", kind, {})
 
 

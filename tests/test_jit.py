@@ -76,11 +76,17 @@ def test_compiled_checkpoint_sequential_recomputes() -> None:
     # partitioner may keep that one)
     assert count(graphs["backward"][0], tanh) >= 2
     assert count(runs["plain"][0]["backward"][0], tanh) == 0
-    saved = len(graphs["forward"][0].graph.find_nodes(op="output")[0].args[0])
-    saved_plain = len(
-        runs["plain"][0]["forward"][0].graph.find_nodes(op="output")[0].args[0]
+
+    # and the compiled forward hands backward fewer tanh outputs than plain
+    # (counting every saved tensor would count weights, which torch 2.8's
+    # partitioner saves in place of their transposes)
+    def saved_tanhs(forward: torch.fx.GraphModule) -> int:
+        (outputs,) = forward.graph.find_nodes(op="output")[0].args
+        return sum(getattr(o, "target", None) is tanh for o in outputs)
+
+    assert saved_tanhs(graphs["forward"][0]) < saved_tanhs(
+        runs["plain"][0]["forward"][0]
     )
-    assert saved < saved_plain
 
 
 @pytest.mark.slow

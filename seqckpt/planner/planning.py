@@ -292,19 +292,19 @@ def _holders(chain: Sequence[Any]) -> tuple[Any, ...]:
     takes none, e.g. a builtin, which lives as long as the process): a cached
     frontier is keyed by the items' ids, and a chain built after another was
     freed may reuse its ids (a sweep over model widths does)."""
-    held: list[Any] = []
+    held: list[tuple[bool, Any]] = []  # (weak, reference or item)
     for item in chain:
         try:
-            held.append(weakref.ref(item))
+            held.append((True, weakref.ref(item)))
         except TypeError:
-            held.append(item)
+            held.append((False, item))
     return tuple(held)
 
 
-def _same_items(held: tuple[Any, ...], chain: Sequence[Any]) -> bool:
+def _same_items(held: tuple[tuple[bool, Any], ...], chain: Sequence[Any]) -> bool:
     return len(held) == len(chain) and all(
-        (h() if isinstance(h, weakref.ref) else h) is item
-        for h, item in zip(held, chain, strict=False)
+        (h() if weak else h) is item
+        for (weak, h), item in zip(held, chain, strict=False)
     )
 
 
