@@ -72,13 +72,9 @@ _POLICY_NAMES: set[str] = set()
 
 def _define_name_op() -> Any:
     """``seqckpt::named(tensor, label)``: a copy of ``tensor``, differentiable
-    as the identity; what :func:`name` puts in a compiled graph (None where
-    this torch has no ``torch.library.custom_op``)."""
-    custom_op = getattr(torch.library, "custom_op", None)
-    if custom_op is None:
-        return None
+    as the identity; what :func:`name` puts in a compiled graph."""
     try:
-        named = custom_op("seqckpt::named", mutates_args=())(_copy_named)
+        named = torch.library.custom_op("seqckpt::named", mutates_args=())(_copy_named)
     except RuntimeError:  # defined already (the module imported again)
         return torch.ops.seqckpt.named.default
     named.register_fake(_copy_named_fake)
@@ -496,7 +492,7 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         # Dynamo cannot trace the lookup below. A name some names policy keeps
         # becomes seqckpt::named in the graph, whose output torch's selective
         # checkpointing saves (see _keeps); other names cost nothing.
-        if label in _POLICY_NAMES and _NAME_OP is not None:
+        if label in _POLICY_NAMES:
             return _NAME_OP(tensor, label)  # type: ignore[no-any-return]
         return tensor
     for keeping, wanted in reversed(_NAMING.get()):
