@@ -287,12 +287,14 @@ def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     return (tuple(id(m) for m in chain), kinds)
 
 
-def _holders(chain: Sequence[Any]) -> tuple[Any, ...]:
-    """A weak reference to each item of ``chain`` (the item itself where it
-    takes none, e.g. a builtin, which lives as long as the process): a cached
-    frontier is keyed by the items' ids, and a chain built after another was
-    freed may reuse its ids (a sweep over model widths does)."""
-    held: list[tuple[bool, Any]] = []  # (weak, reference or item)
+def _holders(chain: Sequence[Any]) -> tuple[tuple[bool, Any], ...]:
+    """``(True, weak reference)`` for each item of ``chain`` (``(False,
+    item)`` where it takes none, e.g. a builtin, which lives as long as the
+    process): a cached frontier is keyed by the items' ids, and a chain built
+    after another was freed may reuse its ids (a sweep over model widths does).
+    A flag rather than ``isinstance(h, weakref.ref)``: dynamo 2.8 cannot trace
+    that check, and the lookup runs inside compiled code."""
+    held: list[tuple[bool, Any]] = []
     for item in chain:
         try:
             held.append((True, weakref.ref(item)))
