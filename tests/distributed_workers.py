@@ -68,10 +68,15 @@ def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
     raise ValueError(kind)
 
 
-def _reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    model = _model()
+def _batch() -> torch.Tensor:
     torch.manual_seed(1)
-    x = torch.randn(BATCH, WIDTH)
+    return torch.randn(BATCH, WIDTH)
+
+
+def _reference() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The whole batch and a single-process step's gradients on it."""
+    model = _model()
+    x = _batch()
     model(x).pow(2).mean().backward()
     return x, [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
 
@@ -123,15 +128,14 @@ def fsdp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> Non
 
     _init(rank, port)
     try:
-        x, _ = _reference()
-        half = x.chunk(2)[rank].clone()
+        half = _batch().chunk(2)[rank].clone().requires_grad_()
         grads = []
         for model in (_model(), _wrap(kind, _model())):
             blocks = model if isinstance(model, nn.Sequential) else model.stack  # type: ignore[union-attr]
             for block in blocks:
                 fully_shard(block)
             fully_shard(model)
-            model(half.requires_grad_()).pow(2).mean().backward()
+            model(half).pow(2).mean().backward()
             grads.append([p.grad.full_tensor() for p in model.parameters()])  # type: ignore[union-attr]
         for i, (got, plain) in enumerate(zip(grads[1], grads[0], strict=True)):
             assert torch.equal(got, plain), (
