@@ -761,7 +761,7 @@ class _Region:
 
     def _recompute(self) -> list[torch.Tensor | None]:
         options = self.options
-        create_graph = torch.is_grad_enabled()
+        grad_was_enabled = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
         if self.streams:
             _state.wait_for_streams(self.streams, self.inputs or ())
@@ -788,7 +788,11 @@ class _Region:
                 return detached
             # Tensors that do not require grad come back as the very object
             # saved (identity and Python attributes kept, as without hooks).
-            collected.append(t if create_graph or not t.requires_grad else detached)
+            # The others come back detached, also under create_graph: autograd
+            # gives an unpacked tensor the forward's graph edge, never the
+            # recompute's, and a recompute graph handed back with it kept the
+            # region's inputs alive from second-order gradients on.
+            collected.append(detached if t.requires_grad else t)
             if fingerprint:  # now: a saved buffer may change after the recompute
                 prints.append(_state.unseen(_fingerprint, detached))
             if len(collected) == wanted:
@@ -842,7 +846,7 @@ class _Region:
                     if child is not None and child.kept is None:
                         child.kept = twin.kept
         finally:
-            _set_grad_enabled(create_graph)
+            _set_grad_enabled(grad_was_enabled)
             if ambient is not None:
                 _state.Ambient.undo(ambient)
             _state.end(_state.RECOMPUTING, phase)
