@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import importlib
 import re
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -444,6 +446,59 @@ def test_nested_checkpoints_and_grads_match_plain(expression: str) -> None:
     (got_grad,) = torch.autograd.grad(got.sum(), x)
     (ref_grad,) = torch.autograd.grad(ref.sum(), x)
     assert torch.equal(got_grad, ref_grad)
+
+
+def _graph_nodes(root: Any) -> list[Any]:
+    seen, todo = [root], [root]
+    while todo:
+        for child, _ in todo.pop().next_functions:
+            if child is not None and all(child is not s for s in seen):
+                seen.append(child)
+                todo.append(child)
+    return seen
+
+
+class _Probe:
+    """Hung on a graph node's metadata: alive exactly as long as the node."""
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"early_stop": False}, {"policy": lambda op, *args, **kwargs: True}],
+    ids=["default", "no early stop", "policy keeping everything"],
+)
+@pytest.mark.parametrize("expression", NESTINGS)
+def test_nested_graphs_die_with_their_outputs(
+    expression: str, options: dict[str, Any]
+) -> None:
+    # TestNestedCheckpoint.check_graph_dies: once the result is dropped, every
+    # node of its graph and the leaf input are freed by reference counting.
+    # (A recompute under create_graph used to hand back its tensors with the
+    # recompute's own graph attached; from second-order gradients on, that
+    # kept the leaf alive even after gc.collect().)
+    def c(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return lambda x: checkpoint(fn, x, **options)
+
+    fn = eval(expression, {"s": _sum, "g": _grad, "f": _f, "c": c})
+    plain = eval(expression, {"s": _sum, "g": _grad, "f": _f, "c": _plain})
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(fn(x), plain(x))
+
+    def scope() -> list[weakref.ref[Any]]:
+        leaf = torch.randn(5, dtype=torch.float64, requires_grad=True)
+        out = fn(leaf)
+        return [weakref.ref(leaf)] + [
+            weakref.ref(node.metadata.setdefault("probe", _Probe()))
+            for node in _graph_nodes(out.grad_fn)
+        ]
+
+    gc.disable()
+    try:
+        refs = scope()
+        assert len(refs) > 2  # the probes reached the graph
+        assert [ref for ref in refs if ref() is not None] == []
+    finally:
+        gc.enable()
 
 
 def test_nested_two_children_and_non_tensor_arguments() -> None:
