@@ -5,7 +5,8 @@ from the same weights and seed, under each chosen policy, and checked bitwise
 
 Vision models go through ``seqckpt.checkpoint_blocks(model, policy=...)`` (or,
 where it finds no stack of repeated blocks, their ``features`` trunk becomes
-one ``CheckpointedSequential``); HF
+one ``CheckpointedSequential``, or timm's own ``set_grad_checkpointing()`` runs
+under ``seqckpt.replace_torch_checkpoint(policy=...)``); HF
 models get ``seqckpt.checkpoint`` (with the policy) as their checkpoint
 function through ``real_models.use_seqckpt``. Dropout, stochastic depth, MoE
 router noise, BatchNorm and in-place activations are left on where the model
@@ -246,11 +247,28 @@ def transformers_cases() -> list[Case]:
     return cases
 
 
+class UnderReplacement(nn.Module):
+    """A model whose own code calls torch's checkpoint (timm's
+    ``set_grad_checkpointing()``), run inside ``seqckpt.replace_torch_checkpoint``
+    with the sweep's options, so those calls are seqckpt's."""
+
+    def __init__(self, model: nn.Module, options: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.options = options
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with seqckpt.replace_torch_checkpoint(**self.options):
+            return self.model(*args, **kwargs)
+
+
 def checkpoint_vision(model: nn.Module, options: dict[str, Any]) -> nn.Module:
     """``checkpoint_blocks``; where it finds no stack of repeated blocks and
     says so (MobileNetV2, VGG and DenseNet ``features`` mix classes), the
     ``features`` trunk as one ``CheckpointedSequential``, as its warning
-    suggests."""
+    suggests; failing that, a timm model's own ``set_grad_checkpointing()``
+    under ``replace_torch_checkpoint`` (timm's RegNet stages hold their blocks
+    as attributes, not in a Sequential)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         seqckpt.checkpoint_blocks(model, **options)
@@ -260,6 +278,9 @@ def checkpoint_vision(model: nn.Module, options: dict[str, Any]) -> nn.Module:
         model.features = seqckpt.CheckpointedSequential.from_sequential(
             features, **options
         )
+    elif none_found and hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+        return UnderReplacement(model, options)
     elif none_found:
         print(f"  ({type(model).__name__}: nothing found to checkpoint)")
     return model

@@ -15,6 +15,7 @@ from torch import nn
 import seqckpt
 from seqckpt import replace_torch_checkpoint
 from seqckpt.checkpoint import TORCH_CHECKPOINT, TORCH_CHECKPOINT_SEQUENTIAL
+from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
 
 
@@ -54,15 +55,22 @@ def library_sequential(model: nn.Module, x: torch.Tensor) -> Any:
     )
 
 
+def seqckpts_inside() -> bool:
+    """torch's names run seqckpt's functions (wrapped to add a block's options)."""
+    module = torch.utils.checkpoint
+    return (
+        getattr(module.checkpoint, "__wrapped__", None) is seqckpt.checkpoint
+        and getattr(module.checkpoint_sequential, "__wrapped__", None)
+        is seqckpt.checkpoint_sequential
+    )
+
+
 def test_the_functions_are_swapped_inside_and_given_back() -> None:
     with replace_torch_checkpoint():
-        assert torch.utils.checkpoint.checkpoint is seqckpt.checkpoint
-        assert torch.utils.checkpoint.checkpoint_sequential is (
-            seqckpt.checkpoint_sequential
-        )
+        assert seqckpts_inside()
         with replace_torch_checkpoint():  # nested
             pass
-        assert torch.utils.checkpoint.checkpoint is seqckpt.checkpoint
+        assert seqckpts_inside()
     assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
     assert torch.utils.checkpoint.checkpoint_sequential is TORCH_CHECKPOINT_SEQUENTIAL
     with pytest.raises(ValueError, match="inside"), replace_torch_checkpoint():
@@ -87,9 +95,7 @@ def test_blocks_open_in_two_threads_give_torchs_back_when_the_last_ends() -> Non
         with replace_torch_checkpoint():
             second_open.set()
             first_closed.wait(10)
-            seen_in_second.append(
-                torch.utils.checkpoint.checkpoint is seqckpt.checkpoint
-            )
+            seen_in_second.append(seqckpts_inside())
 
     threads = [threading.Thread(target=f) for f in (first, second)]
     for t in threads:
@@ -159,4 +165,93 @@ def test_a_block_opened_inside_compiled_code_keeps_the_graph_whole() -> None:
     compiled = torch.compile(forward, fullgraph=True, backend="eager")
     x = torch.randn(2, 8, requires_grad=True)
     assert torch.equal(compiled(x), model(x))
+    assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
+
+
+def test_a_blocks_policy_reaches_the_library_calls() -> None:
+    # timm's set_grad_checkpointing() with selective saving: the block's policy
+    # keeps each Linear's output, so the recompute runs no matmul again (and,
+    # as GELU saves only that output, stops before anything else runs).
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3)]
+    )
+    x = torch.randn(4, 8, requires_grad=True)
+    with replace_torch_checkpoint(policy=[torch.ops.aten.addmm]):
+        y = library_every_block(model, x)
+    with OpCounter() as backward_ops:
+        y.sum().backward()
+    assert "addmm" not in backward_ops.counts  # kept, not recomputed
+    with replace_torch_checkpoint():
+        y = library_every_block(model, x)
+    with OpCounter() as backward_ops:
+        y.sum().backward()
+    assert backward_ops.counts.get("addmm") == 3  # without the policy
+
+
+def under_block(library: Any, **options: Any) -> Any:
+    def call(model: nn.Module, x: torch.Tensor) -> Any:
+        with replace_torch_checkpoint(**options):
+            return library(model, x)
+
+    return call
+
+
+@pytest.mark.parametrize("library", [library_every_block, library_sequential])
+def test_a_blocks_options_fill_what_the_call_leaves_out(library: Any) -> None:
+    x = torch.randn(5, 8, requires_grad=True)
+    # the block's policy: still bitwise the plain run (dropout, BatchNorm)
+    assert_matches_plain(
+        dropout_chain(), x, under_block(library, policy="compute_heavy")
+    )
+    # the block's preserve_rng_state=False reaches a call that does not pass it:
+    # the recompute draws other dropout masks, so the gradients differ
+    with pytest.raises(AssertionError, match="differ"):
+        assert_matches_plain(
+            dropout_chain(), x, under_block(library, preserve_rng_state=False)
+        )
+
+
+def test_the_calls_own_keywords_win_over_the_blocks() -> None:
+    def library_keeping_rng(model: nn.Module, x: torch.Tensor) -> Any:
+        for block in model:  # as timm's checkpoint_seq passes it
+            x = torch.utils.checkpoint.checkpoint(
+                block, x, use_reentrant=False, preserve_rng_state=True
+            )
+        return x
+
+    x = torch.randn(5, 8, requires_grad=True)
+    assert_matches_plain(
+        dropout_chain(),
+        x,
+        under_block(library_keeping_rng, preserve_rng_state=False),
+    )
+
+
+def test_nested_blocks_add_to_the_options_around_them() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def spy(function: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        return function(*args)
+
+    module = sys.modules["seqckpt.torch_drop_in"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "checkpoint", spy)
+        with replace_torch_checkpoint(policy="compute_heavy", early_stop=False):
+            with replace_torch_checkpoint(early_stop=True, debug=True):
+                torch.utils.checkpoint.checkpoint(torch.sin, torch.ones(1))
+            torch.utils.checkpoint.checkpoint(torch.sin, torch.ones(1), debug=False)
+    assert seen == [
+        {"policy": "compute_heavy", "early_stop": True, "debug": True},
+        {"policy": "compute_heavy", "early_stop": False, "debug": False},
+    ]
+
+
+def test_bad_options_fail_when_the_block_opens() -> None:
+    with pytest.raises(TypeError, match=r"^seqckpt: .*unknown option 'polcy'"):
+        replace_torch_checkpoint(polcy="compute_heavy")
+    with pytest.raises(ValueError, match=r"^seqckpt: argument 'determinism_check'"):
+        replace_torch_checkpoint(determinism_check="exact")
+    with pytest.raises(TypeError, match=r"^seqckpt: argument 'early_stop'"):
+        replace_torch_checkpoint(early_stop="no")
     assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
