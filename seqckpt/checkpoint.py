@@ -693,10 +693,11 @@ class _Region:
         return output
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if _is_parameter(t):
-            return t  # alive anyway: nothing to drop, nothing to recompute
-        if self.input_ids is not None and id(t) in self.input_ids:
-            return (t, t._version)  # an input of the region, held anyway
+        if _is_parameter(t) or (self.input_ids is not None and id(t) in self.input_ids):
+            # A parameter or an input of the region: alive anyway, nothing to
+            # drop or recompute. Its version is checked at unpack, as autograd
+            # checks a tensor it saved.
+            return (t, t._version)
         index = len(self.metas)
         check = self.options.determinism_check
         if check == "none":
@@ -710,13 +711,11 @@ class _Region:
     # ----------------------------------------------------------------- backward
 
     def _unpack(self, index: Any) -> torch.Tensor:
-        if type(index) is not int:
-            if type(index) is tuple:
-                held, version = index
-                if held._version != version:
-                    raise self._modified_input(held, version)
-                return held  # type: ignore[no-any-return]
-            return index  # type: ignore[no-any-return]
+        if type(index) is not int:  # (tensor, its version at the save): held
+            held, version = index
+            if held._version != version:
+                raise self._modified_input(held, version)
+            return held  # type: ignore[no-any-return]
         saved = self.recomputed
         if saved is None or index >= len(saved) or saved[index] is None:
             saved = self.recomputed = self._recompute()
@@ -747,16 +746,25 @@ class _Region:
         return self.name or _name(self.function)
 
     def _modified_input(self, t: torch.Tensor, expected: int) -> CheckpointError:
-        assert self.inputs is not None
-        i = next(i for i, u in enumerate(self.inputs) if u is t)
+        i = next((i for i, u in enumerate(self.inputs or ()) if u is t), None)
+        if i is None:  # a parameter the region saved, held like an input
+            what, when, fix = (
+                "a parameter",
+                "after the forward (an optimizer step before backward?)",
+                "Call backward before updating the parameters",
+            )
+        else:
+            what, when, fix = (
+                f"input tensor #{i}",
+                "after it was passed in",
+                "Pass a clone, or move the in-place operation after the backward",
+            )
         return CheckpointError(
-            f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
-            f"checkpointed {self._label()} was modified in place "
-            "after it was passed in, so backward would see other values (one of "
-            "the variables needed for gradient computation has been modified by "
-            "an inplace operation: it is at version "
-            f"{t._version}; expected version {expected} instead). Pass a clone, or "
-            "move the in-place operation after the backward."
+            f"seqckpt: {what} (shape {tuple(t.shape)}) of checkpointed "
+            f"{self._label()} was modified in place {when}, so backward would "
+            "see other values (one of the variables needed for gradient "
+            "computation has been modified by an inplace operation: it is at "
+            f"version {t._version}; expected version {expected} instead). {fix}."
         )
 
     def _recompute(self) -> list[torch.Tensor | None]:

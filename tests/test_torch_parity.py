@@ -327,6 +327,40 @@ def test_an_input_modified_in_place_raises_with_torchs_words() -> None:
     assert "at version 1; expected version 0" in str(raised.value)
 
 
+def _step_after_changing_the_weight(
+    run: Callable[..., torch.Tensor],
+) -> BaseException | None:
+    """Forward, an in-place change of a saved weight, backward: what it raised."""
+    lin = nn.Linear(4, 4)
+    y = run(lambda t: lin(t).tanh(), torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        lin.weight.add_(1.0)  # as an optimizer step before backward would
+    try:
+        y.sum().backward()
+    except RuntimeError as error:
+        return error
+    return None
+
+
+def test_a_saved_parameter_changed_before_backward_raises_as_plain_autograd() -> None:
+    # Deliberate difference: the plain run raises when a parameter an op saved
+    # is changed in place before backward; torch's checkpoint recomputes with
+    # the new values and says nothing. seqckpt holds the parameter, as
+    # autograd does, and raises as it does.
+    words = "modified by an inplace operation"
+    plain = _step_after_changing_the_weight(lambda f, t: f(t))
+    assert plain is not None and words in str(plain)
+    torchs = _step_after_changing_the_weight(
+        lambda f, t: tc.checkpoint(f, t, use_reentrant=False)
+    )
+    assert torchs is None
+    ours = _step_after_changing_the_weight(checkpoint)
+    assert isinstance(ours, CheckpointError) and words in str(ours)
+    assert str(ours).startswith("seqckpt: a parameter (shape (4, 4)) of checkpointed")
+    versions = re.search(r"at version (\d+); expected version (\d+)", str(ours))
+    assert versions is not None and int(versions[1]) == int(versions[2]) + 1
+
+
 def test_checkpoint_error_is_torchs_checkpoint_error() -> None:
     state = {"flip": False}
 
