@@ -562,6 +562,7 @@ class _Region:
         "children",
         "keep_later",
         "name",
+        "held",
         "__weakref__",
     )
 
@@ -588,6 +589,9 @@ class _Region:
         # outputs and the graph until the garbage collector runs.
         self.children: list[weakref.ref[_Region]] | None = None
         self.keep_later = False
+        # [parameter, the version backward expects] for each parameter (or
+        # view of one) an op saved: held, not recomputed (see _pack)
+        self.held: list[list[Any]] | None = None
         self.name = name
         if options.policy is not None:
             running = _POLICY_CHILDREN.get()
@@ -693,11 +697,19 @@ class _Region:
         return output
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if _is_parameter(t) or (self.input_ids is not None and id(t) in self.input_ids):
-            # A parameter or an input of the region: alive anyway, nothing to
-            # drop or recompute. Its version is checked at unpack, as autograd
-            # checks a tensor it saved.
-            return (t, t._version)
+        if _is_parameter(t):
+            # Alive anyway: nothing to drop or recompute. Its version is
+            # checked at unpack, as autograd checks a tensor it saved; a
+            # recompute that changes the parameter in place again (a weight
+            # clipped in the forward) moves the version expected along.
+            held = [t, t._version]
+            if self.held is None:
+                self.held = [held]
+            else:
+                self.held.append(held)
+            return held
+        if self.input_ids is not None and id(t) in self.input_ids:
+            return (t, t._version)  # an input of the region, held anyway
         index = len(self.metas)
         check = self.options.determinism_check
         if check == "none":
@@ -711,7 +723,7 @@ class _Region:
     # ----------------------------------------------------------------- backward
 
     def _unpack(self, index: Any) -> torch.Tensor:
-        if type(index) is not int:  # (tensor, its version at the save): held
+        if type(index) is not int:  # a held tensor and the version it must have
             held, version = index
             if held._version != version:
                 raise self._modified_input(held, version)
@@ -771,6 +783,11 @@ class _Region:
         options = self.options
         grad_was_enabled = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
+        held = self.held
+        if held is not None:
+            for parameter, version in held:
+                if parameter._version != version:
+                    raise self._modified_input(parameter, version)
         if self.streams:
             _state.wait_for_streams(self.streams, self.inputs or ())
         collected: list[torch.Tensor | None] = []
@@ -863,6 +880,9 @@ class _Region:
             if undo is not None:
                 assert self.guard is not None
                 self.guard.restore(undo)
+        if held is not None:  # unchanged before it: what it did itself is fine
+            for entry in held:
+                entry[1] = entry[0]._version
         if kept is not None and not self.in_forward:
             self.kept = None  # served: the recomputed saved tensors hold what is needed
         self._verify(collected, prints, log.ops if options.debug else None)

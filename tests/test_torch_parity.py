@@ -361,6 +361,32 @@ def test_a_saved_parameter_changed_before_backward_raises_as_plain_autograd() ->
     assert versions is not None and int(versions[1]) == int(versions[2]) + 1
 
 
+class ClipsItsWeight(nn.Module):
+    """Clamps its own weight in place in every forward (a max-norm style
+    constraint), then uses it: a recompute changes the parameter again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.3, 0.3)
+        return self.lin(x).tanh()
+
+
+def test_a_parameter_changed_in_place_by_the_function_itself_is_fine() -> None:
+    # The plain run saves the clamped weight and backward finds it unchanged;
+    # the recompute clamps it once more (same values, a newer version), which
+    # must not be taken for a change made after the forward.
+    torch.manual_seed(0)
+    assert_matches_plain(
+        nn.Sequential(ClipsItsWeight(), ClipsItsWeight()),
+        torch.randn(3, 4, requires_grad=True),
+        lambda model, x: checkpoint(model, x),
+    )
+
+
 def test_checkpoint_error_is_torchs_checkpoint_error() -> None:
     state = {"flip": False}
 
