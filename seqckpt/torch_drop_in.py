@@ -96,9 +96,9 @@ def replace_torch_checkpoint(**options: Any) -> contextlib.AbstractContextManage
             f"{unknown[0]!r}; it takes the keywords of seqckpt.checkpoint: "
             f"{', '.join(_OPTION_NAMES)}."
         )
-    make_options(**options)  # bad values fail here, not at the first call
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
+    make_options(**options)  # bad values fail here, not at the first call
     return _replacing(options)
 
 
