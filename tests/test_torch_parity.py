@@ -344,16 +344,12 @@ def _step_after_changing_the_weight(
 
 def test_a_saved_parameter_changed_before_backward_raises_as_plain_autograd() -> None:
     # Deliberate difference: the plain run raises when a parameter an op saved
-    # is changed in place before backward; torch's checkpoint recomputes with
-    # the new values and says nothing. seqckpt holds the parameter, as
+    # is changed in place before backward; torch's checkpoint (2.13) recomputes
+    # with the new values and says nothing. seqckpt holds the parameter, as
     # autograd does, and raises as it does.
     words = "modified by an inplace operation"
     plain = _step_after_changing_the_weight(lambda f, t: f(t))
     assert plain is not None and words in str(plain)
-    torchs = _step_after_changing_the_weight(
-        lambda f, t: tc.checkpoint(f, t, use_reentrant=False)
-    )
-    assert torchs is None
     ours = _step_after_changing_the_weight(checkpoint)
     assert isinstance(ours, CheckpointError) and words in str(ours)
     assert str(ours).startswith("seqckpt: a parameter (shape (4, 4)) of checkpointed")
