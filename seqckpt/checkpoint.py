@@ -699,9 +699,11 @@ class _Region:
     def _pack(self, t: torch.Tensor) -> Any:
         if _is_parameter(t):
             # Alive anyway: nothing to drop or recompute. Its version is
-            # checked at unpack, as autograd checks a tensor it saved; a
-            # recompute that changes the parameter in place again (a weight
-            # clipped in the forward) moves the version expected along.
+            # checked at unpack, exactly as autograd checks a tensor it saved
+            # (an optimizer step fused into backward that runs after the
+            # parameter's last use is fine); a recompute that changes the
+            # parameter in place again (a weight clamped in the forward) moves
+            # the version expected along.
             held = [t, t._version]
             if self.held is None:
                 self.held = [held]
@@ -784,10 +786,8 @@ class _Region:
         grad_was_enabled = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
         held = self.held
-        if held is not None:
-            for parameter, version in held:
-                if parameter._version != version:
-                    raise self._modified_input(parameter, version)
+        if held is not None:  # their versions now, to tell the recompute's changes
+            before = [parameter._version for parameter, _ in held]
         if self.streams:
             _state.wait_for_streams(self.streams, self.inputs or ())
         collected: list[torch.Tensor | None] = []
@@ -880,9 +880,9 @@ class _Region:
             if undo is not None:
                 assert self.guard is not None
                 self.guard.restore(undo)
-        if held is not None:  # unchanged before it: what it did itself is fine
-            for entry in held:
-                entry[1] = entry[0]._version
+        if held is not None:  # what the recompute itself did to them is fine
+            for entry, version in zip(held, before):  # noqa: B905
+                entry[1] += entry[0]._version - version
         if kept is not None and not self.in_forward:
             self.kept = None  # served: the recomputed saved tensors hold what is needed
         self._verify(collected, prints, log.ops if options.debug else None)

@@ -504,6 +504,31 @@ def test_nested_checkpoints_and_grads_match_plain(expression: str) -> None:
     assert torch.equal(got_grad, ref_grad)
 
 
+def test_an_optimizer_step_fused_into_backward_is_fine() -> None:
+    # torch's "optimizer in backward" pattern: each parameter is stepped by a
+    # hook as soon as its gradient is accumulated. Here the Linear's branch
+    # finishes (and its weight is stepped) before the other branch needs the
+    # region's recompute: the plain run passes, so must seqckpt, bitwise.
+    def train(run: Callable[..., Any]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        for p in lin.parameters():
+            step = torch.optim.SGD([p], lr=0.1)
+
+            def hook(p: torch.Tensor, step: torch.optim.Optimizer = step) -> None:
+                step.step()
+                step.zero_grad()
+
+            p.register_post_accumulate_grad_hook(hook)
+        x = torch.randn(3, 4, requires_grad=True)
+        a, b = run(lambda t: (t.exp().sin(), lin(t)), x)
+        (a.sum() + b.sum()).backward()
+        return [x.grad, *(p.detach() for p in lin.parameters())]
+
+    for got, ref in zip(train(checkpoint), train(lambda f, x: f(x)), strict=True):
+        assert torch.equal(got, ref)
+
+
 def _graph_nodes(root: Any) -> list[Any]:
     seen, todo = [root], [root]
     while todo:
