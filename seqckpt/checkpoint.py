@@ -562,7 +562,6 @@ class _Region:
         "children",
         "keep_later",
         "name",
-        "held",
         "__weakref__",
     )
 
@@ -589,9 +588,6 @@ class _Region:
         # outputs and the graph until the garbage collector runs.
         self.children: list[weakref.ref[_Region]] | None = None
         self.keep_later = False
-        # [parameter, the version backward expects] for each parameter (or
-        # view of one) an op saved: held, not recomputed (see _pack)
-        self.held: list[list[Any]] | None = None
         self.name = name
         if options.policy is not None:
             running = _POLICY_CHILDREN.get()
@@ -698,18 +694,7 @@ class _Region:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if _is_parameter(t):
-            # Alive anyway: nothing to drop or recompute. Its version is
-            # checked at unpack, exactly as autograd checks a tensor it saved
-            # (an optimizer step fused into backward that runs after the
-            # parameter's last use is fine); a recompute that changes the
-            # parameter in place again (a weight clamped in the forward) moves
-            # the version expected along.
-            held = [t, t._version]
-            if self.held is None:
-                self.held = [held]
-            else:
-                self.held.append(held)
-            return held
+            return t  # alive anyway: nothing to drop, nothing to recompute
         if self.input_ids is not None and id(t) in self.input_ids:
             return (t, t._version)  # an input of the region, held anyway
         index = len(self.metas)
@@ -725,11 +710,13 @@ class _Region:
     # ----------------------------------------------------------------- backward
 
     def _unpack(self, index: Any) -> torch.Tensor:
-        if type(index) is not int:  # a held tensor and the version it must have
-            held, version = index
-            if held._version != version:
-                raise self._modified_input(held, version)
-            return held  # type: ignore[no-any-return]
+        if type(index) is not int:
+            if type(index) is tuple:
+                held, version = index
+                if held._version != version:
+                    raise self._modified_input(held, version)
+                return held  # type: ignore[no-any-return]
+            return index  # type: ignore[no-any-return]
         saved = self.recomputed
         if saved is None or index >= len(saved) or saved[index] is None:
             saved = self.recomputed = self._recompute()
@@ -760,34 +747,22 @@ class _Region:
         return self.name or _name(self.function)
 
     def _modified_input(self, t: torch.Tensor, expected: int) -> CheckpointError:
-        i = next((i for i, u in enumerate(self.inputs or ()) if u is t), None)
-        if i is None:  # a parameter the region saved, held like an input
-            what, when, fix = (
-                "a parameter",
-                "after the forward (an optimizer step before backward?)",
-                "Call backward before updating the parameters",
-            )
-        else:
-            what, when, fix = (
-                f"input tensor #{i}",
-                "after it was passed in",
-                "Pass a clone, or move the in-place operation after the backward",
-            )
+        assert self.inputs is not None
+        i = next(i for i, u in enumerate(self.inputs) if u is t)
         return CheckpointError(
-            f"seqckpt: {what} (shape {tuple(t.shape)}) of checkpointed "
-            f"{self._label()} was modified in place {when}, so backward would "
-            "see other values (one of the variables needed for gradient "
-            "computation has been modified by an inplace operation: it is at "
-            f"version {t._version}; expected version {expected} instead). {fix}."
+            f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
+            f"checkpointed {self._label()} was modified in place "
+            "after it was passed in, so backward would see other values (one of "
+            "the variables needed for gradient computation has been modified by "
+            "an inplace operation: it is at version "
+            f"{t._version}; expected version {expected} instead). Pass a clone, or "
+            "move the in-place operation after the backward."
         )
 
     def _recompute(self) -> list[torch.Tensor | None]:
         options = self.options
         grad_was_enabled = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
-        held = self.held
-        if held is not None:  # their versions now, to tell the recompute's changes
-            before = [parameter._version for parameter, _ in held]
         if self.streams:
             _state.wait_for_streams(self.streams, self.inputs or ())
         collected: list[torch.Tensor | None] = []
@@ -880,9 +855,6 @@ class _Region:
             if undo is not None:
                 assert self.guard is not None
                 self.guard.restore(undo)
-        if held is not None:  # what the recompute itself did to them is fine
-            for entry, version in zip(held, before):  # noqa: B905
-                entry[1] += entry[0]._version - version
         if kept is not None and not self.in_forward:
             self.kept = None  # served: the recomputed saved tensors hold what is needed
         self._verify(collected, prints, log.ops if options.debug else None)
