@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from seqckpt.checkpoint import checkpoint, make_options
+from seqckpt.checkpoint import Options, checkpoint, make_options
 from seqckpt.sequential import checkpoint_sequential
 
 __all__ = ["replace_torch_checkpoint"]
@@ -36,15 +37,8 @@ _active = 0  # blocks open, in all threads
 _saved: tuple[Any, Any] = (None, None)  # torch's functions, while any is open
 
 # seqckpt's keywords a block gives the calls made in it (per thread: a context
-# variable), merged over the blocks open around it
-_OPTION_NAMES = (
-    "policy",
-    "determinism_check",
-    "early_stop",
-    "debug",
-    "preserve_rng_state",
-    "context_fn",
-)
+# variable), merged over the blocks open around it: the fields of Options
+_OPTION_NAMES = tuple(field.name for field in dataclasses.fields(Options))
 _BLOCK_OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "seqckpt_block_options", default=None
 )
@@ -58,7 +52,8 @@ def replace_torch_checkpoint(**options: Any) -> contextlib.AbstractContextManage
     Args:
         **options: keywords of :func:`seqckpt.checkpoint` for every call made in
             the block by this thread: ``policy``, ``determinism_check``,
-            ``early_stop``, ``debug``, ``preserve_rng_state``, ``context_fn``.
+            ``early_stop``, ``debug``, ``preserve_rng_state``, ``context_fn``
+            (the fields of its options).
             A keyword the call passes itself wins (a library's
             ``preserve_rng_state=True`` stays); nested blocks add to the
             options of the blocks around them. Checked when the block opens.
