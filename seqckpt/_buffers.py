@@ -29,6 +29,10 @@ values, so no device synchronisation is needed:
   kernels update running statistics without moving the version counter;
 - any floating-point buffer of a TorchScript module in training mode (what
   runs inside is not visible);
+- every buffer of a quantization-aware-training fake-quantizer or observer
+  (``torch.ao.quantization``): the fused kernel behind its default QAT
+  configuration updates running min/max, scale and the integer zero point
+  without moving their version counters;
 - with ``conservative=True`` (``determinism_check="values"``), every
   floating-point buffer.
 
@@ -61,6 +65,18 @@ __all__ = [
 ]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
+
+
+def _quantizer_types() -> tuple[type, ...]:
+    try:
+        from torch.ao.quantization.fake_quantize import FakeQuantizeBase
+        from torch.ao.quantization.observer import ObserverBase
+    except ImportError:  # a torch without the (deprecated) eager QAT modules
+        return ()
+    return (FakeQuantizeBase, ObserverBase)
+
+
+_QUANTIZERS = _quantizer_types()
 
 
 def modules_of(function: object) -> list[nn.Module]:
@@ -188,6 +204,14 @@ def _copy(b: torch.Tensor) -> torch.Tensor:
     return (b.detach() if b.requires_grad else b).clone()
 
 
+def _assign(tensor: torch.Tensor, values: torch.Tensor) -> None:
+    """Give ``tensor`` the shape and values of ``values`` in place (an
+    observer's per-channel min/max start empty and are resized on first use)."""
+    if tensor.shape != values.shape:
+        tensor.resize_(values.shape)
+    tensor.copy_(values)
+
+
 def _held(module: nn.Module, name: str) -> torch.Tensor | None:
     """The tensor ``module`` holds as buffer ``name`` now (TorchScript modules
     wrap their buffers in a mapping without ``get``)."""
@@ -255,12 +279,16 @@ class BufferGuard:
             buffers = m._buffers
             if buffers:
                 script = isinstance(m, torch.jit.ScriptModule)
+                quantizer = isinstance(m, _QUANTIZERS)
                 for name, b in buffers.items():
                     if b is None:
                         continue
-                    hidden = b.is_floating_point() and (
-                        self.conservative
-                        or (m.training and (script or name in _HIDDEN_WRITES))
+                    hidden = quantizer or (
+                        b.is_floating_point()
+                        and (
+                            self.conservative
+                            or (m.training and (script or name in _HIDDEN_WRITES))
+                        )
                     )
                     self.entries.append((m, name, b, b._version, _snapshot(b), hidden))
             todo.extend(sub for sub in m._modules.values() if sub is not None)
@@ -293,7 +321,7 @@ class BufferGuard:
                     continue
                 now = _held(module, name)
                 after = _copy(tensor)
-                tensor.copy_(first)
+                _assign(tensor, first)
                 if now is not tensor:
                     _put(module, name, tensor)
                 undo.append((now, after))
@@ -315,6 +343,6 @@ class BufferGuard:
                 if after is None:  # a parameter stand-in: the module's own back
                     module._parameters[name] = now  # type: ignore[assignment]
                     continue
-                tensor.copy_(after)
+                _assign(tensor, after)
                 if now is not tensor and now is not None:
                     _put(module, name, now)
