@@ -9,8 +9,9 @@ one ``CheckpointedSequential``, or timm's own ``set_grad_checkpointing()`` runs
 under ``seqckpt.replace_torch_checkpoint(policy=...)``); HF
 models get ``seqckpt.checkpoint`` (with the policy) as their checkpoint
 function through ``real_models.use_seqckpt``. Dropout, stochastic depth, MoE
-router noise, BatchNorm and in-place activations are left on where the model
-has them. Sizes are small: this checks correctness, not speed.
+router noise, BatchNorm, in-place activations and (two torchvision models
+prepared for quantization-aware training) fake-quantizers with their observers
+are left on where the model has them. Sizes are small: this checks correctness, not speed.
 
 Usage (with torchvision, timm and transformers installed; a missing package's
 models are skipped)::
@@ -90,6 +91,9 @@ def torchvision_cases() -> list[Case]:
         cases.append(
             (f"torchvision {name}", build, torch.randn(2, 3, 96, 96), _summed, "vision")
         )
+    for name in ("mobilenet_v2", "resnet18"):
+        build = functools.partial(_prepared_for_qat, name)
+        cases.append((f"torchvision {name} (QAT)", build, small, _summed, "vision"))
     images = [torch.rand(3, 128, 128), torch.rand(3, 128, 128)]
     targets = [
         {
@@ -109,6 +113,24 @@ def torchvision_cases() -> list[Case]:
         build = functools.partial(_Detector, getattr(detection, name), images, targets)
         cases.append((f"torchvision {name}", build, torch.empty(0), _summed, "vision"))
     return cases
+
+
+def _prepared_for_qat(name: str) -> nn.Module:
+    """A torchvision quantizable model fused and prepared for quantization-aware
+    training with the default (fused fake-quantize) configuration, its
+    observers past their first batch (a second update moves them)."""
+    from torchvision.models import quantization
+
+    model = getattr(quantization, name)(weights=None, quantize=False, num_classes=10)
+    model.train()
+    model.fuse_model(is_qat=True)
+    model.qconfig = torch.ao.quantization.get_default_qat_qconfig("x86")
+    with warnings.catch_warnings():  # torch.ao's deprecation notices
+        warnings.simplefilter("ignore")
+        torch.ao.quantization.prepare_qat(model, inplace=True)
+    with torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    return model
 
 
 class _Detector(nn.Module):
