@@ -2,9 +2,9 @@
 runs, their first-run values kept where that run may have changed them, and put
 in place around the recompute so that it sees what the first run saw and
 updates nothing a second time. Likewise the tensors ``torch.func.functional_call``
-puts in parameter slots for a call (MAML, model ensembles): by the time backward
-recomputes, the modules hold their own parameters again, so the stand-ins the
-first run used are put back around the recompute.
+puts in parameter and buffer slots for a call (MAML, model ensembles): by the
+time backward recomputes, the modules hold their own tensors again, so the
+stand-ins the first run used are put back around the recompute.
 
 Which modules a region runs is read off the callable (:func:`modules_of`): the
 module itself, the object of a bound method (HF's ``layer.__call__``), the
@@ -36,7 +36,9 @@ values, so no device synchronisation is needed:
 - with ``conservative=True`` (``determinism_check="values"``), every
   floating-point buffer.
 
-The first-run copies of the others are dropped when the first run ends.
+The first-run copies of the others are dropped when the first run ends; only
+the tensor objects are kept, to be put back where a slot holds another one by
+the time of the recompute (a ``functional_call`` stand-in).
 
 Internal: nothing here is public API.
 """
@@ -229,19 +231,32 @@ def _put(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[name] = tensor
 
 
+# What BufferGuard.restore puts back per slot: (module, name, whether it is a
+# parameter slot, the tensor the slot held before the replay, (tensor, its
+# values before the replay) where the replay wrote first-run values into it)
+Undo = tuple[
+    nn.Module,
+    str,
+    bool,
+    torch.Tensor | None,
+    tuple[torch.Tensor, torch.Tensor] | None,
+]
+
+
 class BufferGuard:
     """The buffers of the modules one region runs, with their first-run values,
     and the stand-ins ``torch.func.functional_call`` put in their parameter
-    slots (the recompute must compute with those, not with the parameters the
-    modules hold again by then).
+    and buffer slots (the recompute must compute with those, not with the
+    tensors the modules hold again by then).
 
     ``watch`` is the pre-hook callback during the first run; ``settle`` keeps
-    what may have changed once it ends; ``replay`` puts the first-run values in
-    place for a recompute and returns what :meth:`restore` needs to put back
-    the caller's.
+    the values of what may have changed once it ends, and only the tensor
+    object of the other buffers; ``replay`` puts the first-run tensors and
+    values in place for a recompute and returns what :meth:`restore` needs to
+    put back the caller's.
     """
 
-    __slots__ = ("conservative", "visited", "entries")
+    __slots__ = ("conservative", "visited", "entries", "stand_ins", "held")
 
     @staticmethod
     def of(modules: Iterable[nn.Module], conservative: bool) -> BufferGuard | None:
@@ -250,17 +265,20 @@ class BufferGuard:
         guard = BufferGuard(conservative)
         for module in modules:
             guard.watch(module)
-        return guard if guard.entries or conservative else None
+        return guard if guard.entries or guard.stand_ins or conservative else None
 
     def __init__(self, conservative: bool) -> None:
         self.conservative = conservative
         self.visited: set[int] | None = set()
-        # (module, name, tensor, version at first sight, first value (None for a
-        # parameter stand-in: only put back, never copied), may be written by a
-        # kernel without a version bump)
+        # (module, name, tensor, version at first sight, first value, may be
+        # written by a kernel without a version bump)
         self.entries: list[
-            tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None, bool]
+            tuple[nn.Module, str, torch.Tensor, int, torch.Tensor, bool]
         ] = []
+        # (module, name, tensor): parameter stand-ins, and (after settle) the
+        # buffers the first run left as they were
+        self.stand_ins: list[tuple[nn.Module, str, torch.Tensor]] = []
+        self.held: list[tuple[nn.Module, str, torch.Tensor]] = []
 
     def watch(self, module: nn.Module) -> None:
         visited = self.visited
@@ -275,7 +293,7 @@ class BufferGuard:
             for name, p in m._parameters.items():
                 if _stand_in(p):
                     assert p is not None
-                    self.entries.append((m, name, p, p._version, None, True))
+                    self.stand_ins.append((m, name, p))
             buffers = m._buffers
             if buffers:
                 script = isinstance(m, torch.jit.ScriptModule)
@@ -294,55 +312,63 @@ class BufferGuard:
             todo.extend(sub for sub in m._modules.values() if sub is not None)
 
     def settle(self) -> None:
-        """The first run ended: keep only buffers it may have changed."""
+        """The first run ended: keep the first values of the buffers it may
+        have changed; of the others only the tensor (``functional_call`` may
+        have put it there for this call only)."""
         self.visited = None
-        if self.entries:
-            self.entries = [
-                e
-                for e in self.entries
-                if e[5] or e[2]._version != e[3] or _held(e[0], e[1]) is not e[2]
-            ]
+        changed = []
+        for e in self.entries:
+            module, name, tensor, version, _, hidden = e
+            if (
+                hidden
+                or tensor._version != version
+                or _held(module, name) is not tensor
+            ):
+                changed.append(e)
+            else:
+                self.held.append((module, name, tensor))
+        self.entries = changed
 
-    def replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]] | None:
-        """Put the first-run values in place; returns what :meth:`restore` needs:
-        per entry the tensor the module holds now and its values now."""
-        if not self.entries:
+    def replay(self) -> list[Undo] | None:
+        """Put the first-run tensors and values in place; returns what
+        :meth:`restore` needs, or None when there was nothing to put."""
+        moved = [h for h in self.held if _held(h[0], h[1]) is not h[2]]
+        if not (self.entries or self.stand_ins or moved):
             return None
-        return unseen(self._replay)
+        return unseen(self._replay, moved)
 
-    def _replay(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        undo: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    def _replay(self, moved: list[tuple[nn.Module, str, torch.Tensor]]) -> list[Undo]:
+        undo: list[Undo] = []
         with torch.no_grad():
+            for module, name, tensor in self.stand_ins:
+                own: torch.Tensor | None = module._parameters.get(name)
+                module._parameters[name] = tensor  # type: ignore[assignment]
+                undo.append((module, name, True, own, None))
+            for module, name, tensor in moved:
+                undo.append((module, name, False, _held(module, name), None))
+                _put(module, name, tensor)
             for module, name, tensor, _, first, _ in self.entries:
-                if first is None:  # a parameter stand-in
-                    own: torch.Tensor | None = module._parameters.get(name)
-                    module._parameters[name] = tensor  # type: ignore[assignment]
-                    undo.append((own, None))
-                    continue
                 now = _held(module, name)
                 after = _copy(tensor)
                 _assign(tensor, first)
                 if now is not tensor:
                     _put(module, name, tensor)
-                undo.append((now, after))
+                undo.append((module, name, False, now, (tensor, after)))
         return undo
 
-    def restore(
-        self, undo: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-    ) -> None:
+    def restore(self, undo: list[Undo]) -> None:
         """Put back the values and tensors the caller had before :meth:`replay`."""
         unseen(self._restore, undo)
 
-    def _restore(
-        self, undo: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-    ) -> None:
+    def _restore(self, undo: list[Undo]) -> None:
         with torch.no_grad():
-            for (module, name, tensor, *_), (now, after) in zip(
-                self.entries, undo, strict=False
-            ):
-                if after is None:  # a parameter stand-in: the module's own back
+            for module, name, parameter, now, values in undo:
+                if values is not None:
+                    tensor, after = values
+                    _assign(tensor, after)
+                    if now is tensor:
+                        continue
+                if parameter:  # the module's own parameter back
                     module._parameters[name] = now  # type: ignore[assignment]
-                    continue
-                _assign(tensor, after)
-                if now is not tensor and now is not None:
+                elif now is not None:
                     _put(module, name, now)

@@ -937,3 +937,57 @@ def test_functional_call_recomputes_with_the_tensors_it_was_given(
     plain = grads(plain_model, "body." if where == "inside_forward" else "")
     assert all(torch.equal(a, b) for a, b in zip(ours, plain, strict=True))
     assert all(type(p) is nn.Parameter for p in model.parameters())  # its own again
+
+
+class ScaledBy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.scale).sin()
+
+
+class Checkpoints(nn.Module):
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_functional_call_buffers_are_the_ones_recomputed_with(mode: str) -> None:
+    # torch.func.functional_call(model, (parameters, buffers), x) puts the
+    # given buffers in the buffer slots for the call only: the recompute must
+    # use them (it used the module's own: other gradients, no error), and a
+    # batch norm in training updates the given statistics once.
+    torch.manual_seed(0)
+    body = nn.Sequential(
+        nn.Linear(4, 4), ScaledBy(), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh()
+    ).train(mode == "train")
+    own = [b.clone() for b in body.buffers()]
+    x = torch.randn(3, 4)
+
+    def step(model: nn.Module, prefix: str) -> tuple[list[torch.Tensor], ...]:
+        params = {k: v.detach().requires_grad_() for k, v in body.named_parameters()}
+        buffers = {
+            "1.scale": torch.full((4,), 3.0),
+            "3.running_mean": torch.linspace(-1.0, 1.0, 4),
+            "3.running_var": torch.linspace(0.5, 2.0, 4),
+            "3.num_batches_tracked": torch.tensor(0),
+        }
+        given = (
+            {prefix + k: v for k, v in params.items()},
+            {prefix + k: v for k, v in buffers.items()},
+        )
+        out = torch.func.functional_call(model, given, (x,))
+        grads = torch.autograd.grad(out.sum(), list(params.values()))
+        return list(grads), list(buffers.values())
+
+    ours = step(Checkpoints(body), "body.")
+    plain = step(body, "")
+    for a, b in zip(ours, plain, strict=True):
+        assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(body.buffers(), own, strict=True))
