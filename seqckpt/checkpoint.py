@@ -178,8 +178,11 @@ def checkpoint(
     Under ``torch.no_grad()`` or ``torch.inference_mode()`` this is a plain call.
     Under ``torch.func.grad``, ``vjp``, ``jacrev`` or ``hessian``, which refuse
     saved-tensor hooks (torch's checkpoint raises there), it is a plain call
-    with a warning: right gradients, no memory saved. ``torch.vmap``,
-    ``jvp`` and ``jacfwd`` are checkpointed as usual.
+    with a warning: right gradients, no memory saved. Under ``torch.vmap``,
+    ``torch.func.jvp`` and ``jacfwd`` it is a plain call as well: a backward
+    through what they computed runs after they have ended, where the function
+    cannot run again (torch's checkpoint fails there); it warns when an input
+    or a parameter of a module it can see requires grad.
     Under ``torch.compile`` it becomes torch's own checkpoint operator, which the
     compiler turns into recomputation in the compiled backward.
 
@@ -306,6 +309,18 @@ def run_region(
             "jacrev and hessian refuse them), so it keeps its activations. "
             "Gradients are right; to save memory, take them with "
             "torch.autograd.grad or .backward() instead."
+        )
+    elif _peek_transform() is not None and (transform := _forward_transform()):
+        # The backward of what runs under vmap or jvp runs after the transform
+        # has ended, where the function cannot run again (its batched or dual
+        # tensors are gone): torch's checkpoint fails there.
+        if not _needs_grad(function, args, kwargs, modules):
+            return function(*args, **kwargs)
+        why = (
+            f"under {transform}: backward runs after the transform has ended, "
+            "where the function cannot run again, so it keeps its activations. "
+            "Gradients are right; to save memory, checkpoint outside the "
+            "transform."
         )
     else:
         runs = modules_of(function) if modules is None else list(modules)
@@ -940,6 +955,47 @@ def _two_contexts(
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+_FUNCTORCH = torch._C._functorch
+_peek_transform: Callable[[], Any] = getattr(
+    _FUNCTORCH, "peek_interpreter_stack", lambda: None
+)
+_FORWARD_TRANSFORMS = {
+    getattr(_FUNCTORCH.TransformType, name): label
+    for name, label in (("Vmap", "torch.vmap"), ("Jvp", "torch.func.jvp"))
+}
+
+
+def _forward_transform() -> str | None:
+    """``torch.vmap`` or ``torch.func.jvp`` (also as parts of ``jacfwd`` and
+    ``hessian``) where one of them is active, else None."""
+    for interpreter in _FUNCTORCH.get_interpreter_stack() or ():
+        label = _FORWARD_TRANSFORMS.get(interpreter.key())
+        if label is not None:
+            return label
+    return None
+
+
+def _needs_grad(
+    function: object,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    modules: Iterable[nn.Module] | None,
+) -> bool:
+    """Whether an input, or a parameter of a module ``function`` visibly
+    runs, requires grad (else there is nothing a checkpoint could save); a
+    tensor batched by vmap or made dual by jvp says False, the tensor it
+    wraps tells."""
+    runs = modules_of(function) if modules is None else modules
+    tensors = [*tensors_in((args, kwargs)), *(p for m in runs for p in m.parameters())]
+    return any(_unwrapped(t).requires_grad for t in tensors)
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    while _FUNCTORCH.is_functorch_wrapped_tensor(t):
+        t = _FUNCTORCH.get_unwrapped(t)
     return t
 
 

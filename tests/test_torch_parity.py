@@ -14,6 +14,7 @@ import functools
 import gc
 import importlib
 import re
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -883,13 +884,53 @@ def test_under_torch_func_gradients_it_runs_plain_and_says_so(transform: str) ->
     assert counter.counts["tanh"] == 2  # the forward and the recompute
 
 
-def test_under_vmap_and_forward_mode_it_checkpoints() -> None:
+def test_under_vmap_or_jvp_without_gradients_it_runs_plain_silently() -> None:
     x = torch.randn(5, 3, 4)
-    assert torch.equal(
-        torch.vmap(lambda t: checkpoint(_tanh_mlp, t))(x), torch.vmap(_tanh_mlp)(x)
-    )
-    ours = torch.func.jvp(lambda t: checkpoint(_tanh_mlp, t), (x[0],), (x[1],))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="seqckpt")
+        ours = torch.vmap(lambda t: checkpoint(_tanh_mlp, t))(x)
+        dual = torch.func.jvp(lambda t: checkpoint(_tanh_mlp, t), (x[0],), (x[1],))
+    assert torch.equal(ours, torch.vmap(_tanh_mlp)(x))
     plain = torch.func.jvp(_tanh_mlp, (x[0],), (x[1],))
+    assert all(torch.equal(a, b) for a, b in zip(dual, plain, strict=True))
+
+
+@pytest.mark.parametrize("transform", ["vmap", "jvp", "ensemble"])
+def test_under_vmap_or_jvp_with_a_later_backward_it_runs_plain_and_says_so(
+    transform: str,
+) -> None:
+    # The backward of a forward run under vmap or jvp comes after the
+    # transform has ended, where the region cannot run again: torch's
+    # checkpoint fails there (an escaped batched tensor, or a different count
+    # of saved tensors). seqckpt runs the region plainly and warns.
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2)]
+    x = torch.randn(3, 5, 4, requires_grad=True)
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        if transform == "ensemble":  # torch.func's model ensembling
+            params, buffers = torch.func.stack_module_state([model, model])
+            out = torch.vmap(
+                lambda p, b, t: torch.func.functional_call(model, (p, b), (t,)),
+                in_dims=(0, 0, None),
+            )(params, buffers, x)
+            out.square().sum().backward()
+            return [x.grad, *(p.grad for p in params.values())]  # type: ignore[misc]
+        if transform == "vmap":
+            out = torch.vmap(model)(x)
+        else:
+            out, tangent = torch.func.jvp(model, (x,), (torch.ones_like(x),))
+            out = out + tangent
+        out.square().sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters())]  # type: ignore[misc]
+
+    plain = grads(nn.Sequential(*layers))
+    x.grad = None
+    for p in nn.Sequential(*layers).parameters():
+        p.grad = None
+    label = "torch.vmap" if transform != "jvp" else "torch.func.jvp"
+    with pytest.warns(UserWarning, match=f"runs without checkpointing under {label}"):
+        ours = grads(seqckpt.CheckpointedSequential(*layers, segments=2))
     assert all(torch.equal(a, b) for a, b in zip(ours, plain, strict=True))
 
 
