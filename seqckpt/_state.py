@@ -21,6 +21,7 @@ from contextlib import ExitStack
 from typing import Any, TypeVar
 
 import torch
+import torch.nn.utils.parametrize as _parametrize
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import _pop_mode, _push_mode
 
@@ -458,21 +459,25 @@ _GETTERS: dict[bool, list[Callable[[], Any]]] = {
 class Ambient:
     """What a region's first run saw besides its inputs and RNG: autocast per
     device type (with the autocast cache flag), the default device of a
-    ``torch.device(...)`` context, and the backend switches (all of them once
-    CUDA is in use, else those that matter on the CPU)."""
+    ``torch.device(...)`` context, the backend switches (all of them once
+    CUDA is in use, else those that matter on the CPU), and the cache of
+    ``torch.nn.utils.parametrize.cached()`` where it was on (a region that
+    found a weight cached must not compute it again in the recompute, and one
+    that computed it first must compute it again)."""
 
-    __slots__ = ("types", "autocast", "values")
+    __slots__ = ("types", "autocast", "values", "cached")
 
     def __init__(self, devices: tuple[torch.device, ...]) -> None:
         self.types = types = _autocast_types(devices)
         self.autocast = _autocast(types)
         self.values = list(map(_call, _GETTERS[types == ("cpu",)]))
+        self.cached = dict(_parametrize._cache) if _parametrize._cache_enabled else None
 
     @property
     def switches(self) -> list[Switch]:
         return CPU_SWITCHES if self.types == ("cpu",) else ALL_SWITCHES
 
-    def replay(self) -> tuple[ExitStack | None, list[tuple[Switch, Any]]] | None:
+    def replay(self) -> AmbientUndo | None:
         """Make the current state equal to what was captured; None when it
         already is (the common case), else what :meth:`undo` needs."""
         types = self.types
@@ -480,7 +485,8 @@ class Ambient:
         autocast = _autocast(types)
         then = self.values
         if now == then and autocast == self.autocast:
-            return None
+            cache = self._replay_cache()
+            return None if cache is None else (None, [], cache)
         stack = None
         if autocast != self.autocast:
             stack = ExitStack()
@@ -507,16 +513,37 @@ class Ambient:
             if value != current and switch[0]() != value:
                 switch[1](value)
                 changed.append((switch, current))
-        return stack, changed
+        return stack, changed, self._replay_cache()
+
+    def _replay_cache(self) -> tuple[int, dict[Any, Any]] | None:
+        """parametrize's cache as the first run found it; returns the
+        caller's, or None where the cache was off then and is off now."""
+        if self.cached is None and not _parametrize._cache_enabled:
+            return None
+        caller = (_parametrize._cache_enabled, _parametrize._cache)
+        _parametrize._cache_enabled = int(self.cached is not None)
+        _parametrize._cache = dict(self.cached or {})
+        return caller
 
     @staticmethod
-    def undo(token: tuple[ExitStack | None, list[tuple[Switch, Any]]] | None) -> None:
+    def undo(token: AmbientUndo | None) -> None:
         """Give the caller back the state :meth:`replay` changed."""
         if token is None:
             return
-        stack, changed = token
+        stack, changed, cache = token
         for (get, put), value in changed:  # in order, as replay set them
             if get() != value:
                 put(value)
         if stack is not None:
             stack.close()
+        if cache is not None:
+            _parametrize._cache_enabled, _parametrize._cache = cache
+
+
+# What Ambient.undo needs: the contexts entered, the switches set with their
+# values before, and parametrize's cache switch and cache before (or None)
+AmbientUndo = tuple[
+    ExitStack | None,
+    list[tuple[Switch, Any]],
+    tuple[int, dict[Any, Any]] | None,
+]

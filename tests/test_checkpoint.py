@@ -9,6 +9,7 @@ import warnings
 import weakref
 from collections import namedtuple
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -880,6 +881,37 @@ def test_quantization_aware_training(qconfig: str, observed: bool, call: Any) ->
     # that the first batch resizes (putting the first-run values back failed).
     x = torch.randn(5, 6, requires_grad=True)
     assert_matches_plain(qat_chain(qconfig, observed), x, call)
+
+
+@pytest.mark.parametrize("cached_in", ["forward", "backward"])
+def test_parametrization_cache_is_replayed(cached_in: str) -> None:
+    # Under parametrize.cached() the first region computes the orthogonal
+    # weight and caches it; later regions use the cached tensor. Each
+    # recompute must do what its forward did: compute it, or take it from the
+    # cache as it was (torch's checkpoint computes it in every recompute and
+    # raises); a backward inside cached() must not lend its cache to them.
+    from torch.nn.utils import parametrizations, parametrize
+
+    torch.manual_seed(0)
+    cell = parametrizations.orthogonal(nn.Linear(6, 6))
+    x = torch.randn(3, 6)
+
+    def grads(use: bool) -> list[torch.Tensor | None]:
+        cell.zero_grad()
+        h = start = x.clone().requires_grad_()
+        with parametrize.cached() if cached_in == "forward" else nullcontext():
+            for _ in range(4):  # a recurrent cell, checkpointed per step
+                h = checkpoint(lambda t: cell(t).tanh(), h) if use else cell(h).tanh()
+        with parametrize.cached() if cached_in == "backward" else nullcontext():
+            h.square().sum().backward()
+        return [start.grad, *(p.grad for p in cell.parameters())]
+
+    plain = grads(False)
+    assert all(
+        torch.equal(a, b)  # type: ignore[arg-type]
+        for a, b in zip(grads(True), plain, strict=True)
+    )
+    assert parametrize._cache_enabled == 0 and not parametrize._cache
 
 
 # ------------------------------------------------------------ backend switches
