@@ -176,15 +176,24 @@ def _stand_in(p: torch.Tensor | None) -> bool:
     return p is not None and not is_parameter(p)
 
 
-def survey(modules: Iterable[nn.Module]) -> tuple[nn.Module | None, bool]:
+def survey(
+    modules: Iterable[nn.Module],
+) -> tuple[nn.Module | None, bool, list[nn.Module]]:
     """One walk over ``modules`` and their submodules: (a lazy module
     (``nn.LazyLinear`` and the like) whose parameters are not initialized yet,
-    or None; whether any holds a buffer or a stand-in for a parameter)."""
+    or None; whether any holds a buffer or a stand-in for a parameter; every
+    module walked, each once)."""
     lazy: nn.Module | None = None
     state = False
+    walked: list[nn.Module] = []
+    seen: set[int] = set()
     todo = list(modules)
     while todo:
         m = todo.pop()
+        if m is None or id(m) in seen:  # a submodule slot set to None; shared
+            continue
+        seen.add(id(m))
+        walked.append(m)
         if not state:
             state = bool(m._buffers) or any(map(_stand_in, m._parameters.values()))
         if (
@@ -194,7 +203,7 @@ def survey(modules: Iterable[nn.Module]) -> tuple[nn.Module | None, bool]:
         ):
             lazy = m
         todo.extend(m._modules.values())  # type: ignore[arg-type]
-    return lazy, state
+    return lazy, state, walked
 
 
 def _snapshot(b: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 How it works. The function runs once in forward with autograd on, so the real
 graph is built, but under saved-tensor hooks that replace every tensor autograd
 wants to keep by its index. When backward first needs one of them, the region is
-run again (same RNG, autocast, default device, backend switches and buffers as
-the first time) and every tensor it saves is collected by index; each node then
+run again (same RNG, autocast, default device, backend switches, buffers and
+module training modes as the first time) and every tensor it saves is collected by index; each node then
 gets back the tensor it saved the first time (the very object, for tensors that
 do not require grad). The graph that backward walks is the one built in forward,
 so ``torch.autograd.grad``, ``backward(inputs=...)``, parameters that are not
@@ -324,7 +324,7 @@ def run_region(
         )
     else:
         runs = modules_of(function) if modules is None else list(modules)
-        lazy, stateful = survey(runs)
+        lazy, stateful, walked = survey(runs)
         if not stateful:
             runs = []  # nothing for a buffer guard to hold
         if lazy is not None:
@@ -340,7 +340,7 @@ def run_region(
         )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
-    result: T = _Region(function, args, kwargs, options, runs, name).run()
+    result: T = _Region(function, args, kwargs, options, runs, name, walked).run()
     return result
 
 
@@ -577,6 +577,8 @@ class _Region:
         "children",
         "keep_later",
         "name",
+        "walked",
+        "modes",
         "__weakref__",
     )
 
@@ -588,8 +590,15 @@ class _Region:
         options: Options,
         modules: list[nn.Module] | None,
         name: str | None = None,
+        walked: list[nn.Module] | None = None,
     ) -> None:
         self.function = function
+        # The training flag of every module the region visibly runs: a
+        # recompute runs in the modes of the first run (model.eval() between
+        # forward and backward would turn dropout and batch norm's batch
+        # statistics off in the recompute only).
+        self.walked = walked
+        self.modes = [m.training for m in walked] if walked else None
         self.options = options
         self.metas: list[Any] = []
         self.prints: list[torch.Tensor | None] = []
@@ -828,8 +837,11 @@ class _Region:
                 log = extra.enter_context(_OpLog())
         caller_rng = self.rng.current() if self.rng is not None else None
         undo = ambient = None
+        flipped: list[nn.Module] = []
         phase = _state.begin(_state.RECOMPUTING)
         try:
+            if self.modes is not None:
+                flipped = _flip_modes(self.walked, self.modes)
             undo = self.guard.replay() if self.guard is not None else None
             if self.rng is not None:
                 self.rng.restore()
@@ -862,6 +874,8 @@ class _Region:
                         child.kept = twin.kept
         finally:
             _set_grad_enabled(grad_was_enabled)
+            for module in flipped:
+                module.training = not module.training
             if ambient is not None:
                 _state.Ambient.undo(ambient)
             _state.end(_state.RECOMPUTING, phase)
@@ -938,6 +952,15 @@ class _Region:
             "replayed), nondeterministic kernels, or state changed between the "
             "runs." + debug
         )
+
+
+def _flip_modes(modules: Any, modes: list[bool]) -> list[nn.Module]:
+    """Give each of ``modules`` the training flag in ``modes`` again; returns
+    those whose flag it changed."""
+    flipped = [m for m, mode in zip(modules, modes, strict=True) if m.training != mode]
+    for module in flipped:
+        module.training = not module.training
+    return flipped
 
 
 def _two_contexts(

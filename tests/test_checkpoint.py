@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import threading
@@ -833,6 +834,50 @@ def test_a_buffer_replaced_by_the_forward() -> None:
     model = nn.Sequential(nn.Linear(3, 3), Rebinds(), nn.Tanh())
     x = torch.randn(2, 3, requires_grad=True)
     assert_matches_plain(model, x, lambda m, t: checkpoint(m, t))
+
+
+def _then_eval(output: Any, model: nn.Module) -> Any:
+    model.eval()  # e.g. an evaluation between forward and backward
+    return output
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: _then_eval(checkpoint(m, x), m),
+        lambda m, x: _then_eval(seqckpt.checkpoint_sequential(m, 3, x), m),
+    ],
+    ids=["whole", "segments"],
+)
+def test_recompute_runs_in_the_training_modes_of_the_forward(call: Any) -> None:
+    # model.eval() before backward must not turn dropout off or batch norm to
+    # its running statistics in the recompute (torch's checkpoint raises:
+    # other saved tensors); the caller's modes are back afterwards.
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 6), nn.BatchNorm1d(6),
+        nn.GELU(), nn.Linear(6, 6),
+    )  # fmt: skip
+    x = torch.randn(5, 6, requires_grad=True)
+    assert_matches_plain(model, x, call, plain=lambda m, t: _then_eval(m(t), m))
+    ran = copy.deepcopy(model).train()
+    call(ran, x).sum().backward()
+    assert not any(m.training for m in ran.modules())
+
+
+class HeadRemoved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.head = None  # a registered submodule slot set to None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).tanh()
+
+
+def test_a_submodule_slot_set_to_none() -> None:
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_matches_plain(HeadRemoved(), x, lambda m, t: checkpoint(m, t))
 
 
 def qat_chain(qconfig: str, observed: bool) -> nn.Module:
