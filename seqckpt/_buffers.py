@@ -182,17 +182,15 @@ def survey(
     """One walk over ``modules`` and their submodules: (a lazy module
     (``nn.LazyLinear`` and the like) whose parameters are not initialized yet,
     or None; whether any holds a buffer or a stand-in for a parameter; every
-    module walked, each once)."""
+    module walked, a shared one as often as it is reached)."""
     lazy: nn.Module | None = None
     state = False
     walked: list[nn.Module] = []
-    seen: set[int] = set()
     todo = list(modules)
     while todo:
         m = todo.pop()
-        if m is None or id(m) in seen:  # a submodule slot set to None; shared
+        if m is None:  # a submodule slot set to None after construction
             continue
-        seen.add(id(m))
         walked.append(m)
         if not state:
             state = bool(m._buffers) or any(map(_stand_in, m._parameters.values()))

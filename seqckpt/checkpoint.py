@@ -33,6 +33,7 @@ import contextvars
 import dataclasses
 import functools
 import math
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -577,7 +578,6 @@ class _Region:
         "children",
         "keep_later",
         "name",
-        "walked",
         "modes",
         "__weakref__",
     )
@@ -597,8 +597,7 @@ class _Region:
         # recompute runs in the modes of the first run (model.eval() between
         # forward and backward would turn dropout and batch norm's batch
         # statistics off in the recompute only).
-        self.walked = walked
-        self.modes = [m.training for m in walked] if walked else None
+        self.modes = (walked, list(map(_training, walked))) if walked else None
         self.options = options
         self.metas: list[Any] = []
         self.prints: list[torch.Tensor | None] = []
@@ -840,8 +839,9 @@ class _Region:
         flipped: list[nn.Module] = []
         phase = _state.begin(_state.RECOMPUTING)
         try:
-            if self.modes is not None:
-                flipped = _flip_modes(self.walked, self.modes)
+            modes = self.modes
+            if modes is not None and list(map(_training, modes[0])) != modes[1]:
+                flipped = _flip_modes(*modes)
             undo = self.guard.replay() if self.guard is not None else None
             if self.rng is not None:
                 self.rng.restore()
@@ -954,13 +954,19 @@ class _Region:
         )
 
 
-def _flip_modes(modules: Any, modes: list[bool]) -> list[nn.Module]:
+_training = operator.attrgetter("training")
+
+
+def _flip_modes(modules: list[nn.Module], modes: list[bool]) -> list[nn.Module]:
     """Give each of ``modules`` the training flag in ``modes`` again; returns
-    those whose flag it changed."""
-    flipped = [m for m, mode in zip(modules, modes, strict=True) if m.training != mode]
-    for module in flipped:
+    those whose flag it changed (each once: a shared module is listed as often
+    as it was reached)."""
+    flipped = {
+        id(m): m for m, mode in zip(modules, modes, strict=True) if m.training != mode
+    }
+    for module in flipped.values():
         module.training = not module.training
-    return flipped
+    return list(flipped.values())
 
 
 def _two_contexts(

@@ -852,10 +852,12 @@ def _then_eval(output: Any, model: nn.Module) -> Any:
 def test_recompute_runs_in_the_training_modes_of_the_forward(call: Any) -> None:
     # model.eval() before backward must not turn dropout off or batch norm to
     # its running statistics in the recompute (torch's checkpoint raises:
-    # other saved tensors); the caller's modes are back afterwards.
+    # other saved tensors); the caller's modes are back afterwards. The
+    # dropout is used twice: a shared module is set back once.
+    dropout = nn.Dropout(0.3)
     model = nn.Sequential(
-        nn.Linear(6, 6), nn.Dropout(0.3), nn.Linear(6, 6), nn.BatchNorm1d(6),
-        nn.GELU(), nn.Linear(6, 6),
+        nn.Linear(6, 6), dropout, nn.Linear(6, 6), nn.BatchNorm1d(6),
+        nn.GELU(), dropout, nn.Linear(6, 6),
     )  # fmt: skip
     x = torch.randn(5, 6, requires_grad=True)
     assert_matches_plain(model, x, call, plain=lambda m, t: _then_eval(m(t), m))
