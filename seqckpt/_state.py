@@ -456,6 +456,15 @@ _GETTERS: dict[bool, list[Callable[[], Any]]] = {
 }
 
 
+# What Ambient.undo needs: the contexts entered, the switches set with their
+# values before, and parametrize's cache switch and cache before (or None)
+AmbientUndo = tuple[
+    ExitStack | None,
+    list[tuple[Switch, Any]],
+    tuple[int, dict[Any, Any]] | None,
+]
+
+
 class Ambient:
     """What a region's first run saw besides its inputs and RNG: autocast per
     device type (with the autocast cache flag), the default device of a
@@ -538,12 +547,3 @@ class Ambient:
             stack.close()
         if cache is not None:
             _parametrize._cache_enabled, _parametrize._cache = cache
-
-
-# What Ambient.undo needs: the contexts entered, the switches set with their
-# values before, and parametrize's cache switch and cache before (or None)
-AmbientUndo = tuple[
-    ExitStack | None,
-    list[tuple[Switch, Any]],
-    tuple[int, dict[Any, Any]] | None,
-]

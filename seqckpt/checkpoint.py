@@ -4,9 +4,9 @@ How it works. The function runs once in forward with autograd on, so the real
 graph is built, but under saved-tensor hooks that replace every tensor autograd
 wants to keep by its index. When backward first needs one of them, the region is
 run again (same RNG, autocast, default device, backend switches, buffers and
-module training modes as the first time) and every tensor it saves is collected by index; each node then
-gets back the tensor it saved the first time (the very object, for tensors that
-do not require grad). The graph that backward walks is the one built in forward,
+module training modes as the first time) and every tensor it saves is collected
+by index; each node then gets back the tensor it saved the first time (the very
+object, for tensors that do not require grad). The graph that backward walks is the one built in forward,
 so ``torch.autograd.grad``, ``backward(inputs=...)``, parameters that are not
 inputs, double backward, ``retain_graph`` and a backward run *inside* the
 function behave as without checkpointing, and gradients are bitwise those of the
