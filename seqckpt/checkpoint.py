@@ -629,7 +629,7 @@ class _Region:
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
             # Not nested: hold the inputs directly and watch their versions.
             self.inputs: list[torch.Tensor] | None = inputs
-            self.versions: list[int] | None = [t._version for t in inputs]
+            self.versions: list[int] | None = _versions(inputs)
             self.input_ids: set[int] | None = {id(t) for t in inputs}
             self.saver = None
         else:
@@ -704,7 +704,7 @@ class _Region:
                 # The saver node holds the inputs now; drop our references.
                 self.args = replace_tensors(self.args, _placeholders(self.args))
                 self.kwargs = replace_tensors(self.kwargs, _placeholders(self.kwargs))
-        if self.inputs and [t._version for t in self.inputs] != self.versions:
+        if self.inputs and _versions(self.inputs) != self.versions:
             raise CheckpointError(
                 f"seqckpt: checkpointed {self._label()} modified its own "
                 "input in place (e.g. nn.ReLU(inplace=True) as its first layer), so "
@@ -751,12 +751,13 @@ class _Region:
     def _current_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.saver is None:
             assert self.inputs is not None and self.versions is not None
-            if [t._version for t in self.inputs] != self.versions:
+            now = _versions(self.inputs)
+            if now != self.versions:
                 raise self._modified_input(
                     *next(
                         (t, v)
-                        for t, v in zip(self.inputs, self.versions)  # noqa: B905
-                        if t._version != v
+                        for t, v, n in zip(self.inputs, self.versions, now)  # noqa: B905
+                        if n != v
                     )
                 )
             return self.args, self.kwargs
@@ -952,6 +953,15 @@ class _Region:
             "replayed), nondeterministic kernels, or state changed between the "
             "runs." + debug
         )
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int]:
+    """The version counters of ``tensors``; -1 for an inference tensor, which
+    has none (and cannot be changed in place outside inference mode)."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:
+        return [-1 if t.is_inference() else t._version for t in tensors]
 
 
 _training = operator.attrgetter("training")

@@ -980,6 +980,42 @@ def test_functional_call_recomputes_with_the_tensors_it_was_given(
     assert all(type(p) is nn.Parameter for p in model.parameters())  # its own again
 
 
+def test_an_inference_tensor_input_behaves_as_in_the_plain_run() -> None:
+    # An inference tensor has no version counter (reading it raised). One that
+    # no op saves works as in the plain run (torch's checkpoint raises: it
+    # saves its inputs); one that an op saves raises the plain run's error;
+    # an in-place change of another input is still named.
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    with torch.inference_mode():
+        frozen = torch.randn(3, 4)
+
+    def f(t: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return (t + lin(u)).sin()  # the add saves nothing of t
+
+    def grads(call: Callable[..., torch.Tensor]) -> list[torch.Tensor | None]:
+        lin.zero_grad()
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_()
+        call(f, frozen, x).sum().backward()
+        return [x.grad, *(p.grad for p in lin.parameters())]
+
+    plain = grads(lambda g, *a: g(*a))
+    assert all(
+        torch.equal(a, b)  # type: ignore[arg-type]
+        for a, b in zip(grads(checkpoint), plain, strict=True)
+    )
+    moved = torch.randn(3, 4, requires_grad=True) * 1
+    y = checkpoint(f, frozen, moved)
+    moved.add_(1)
+    with pytest.raises(CheckpointError, match="input tensor #1"):
+        y.sum().backward()
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+        checkpoint(lambda t: lin(t).sin(), frozen)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved"):
+        lin(frozen).sin()
+
+
 class ScaledBy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
