@@ -837,12 +837,12 @@ class _Region:
                 log = extra.enter_context(_OpLog())
         caller_rng = self.rng.current() if self.rng is not None else None
         undo = ambient = None
-        flipped: list[nn.Module] = []
+        caller_modes: list[tuple[nn.Module, bool]] = []
         phase = _state.begin(_state.RECOMPUTING)
         try:
             modes = self.modes
             if modes is not None and list(map(_training, modes[0])) != modes[1]:
-                flipped = _flip_modes(*modes)
+                caller_modes = _set_modes(*modes)
             undo = self.guard.replay() if self.guard is not None else None
             if self.rng is not None:
                 self.rng.restore()
@@ -875,8 +875,8 @@ class _Region:
                         child.kept = twin.kept
         finally:
             _set_grad_enabled(grad_was_enabled)
-            for module in flipped:
-                module.training = not module.training
+            for module, mode in caller_modes:  # (the recompute may set some)
+                module.training = mode
             if ambient is not None:
                 _state.Ambient.undo(ambient)
             _state.end(_state.RECOMPUTING, phase)
@@ -967,16 +967,20 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
 _training = operator.attrgetter("training")
 
 
-def _flip_modes(modules: list[nn.Module], modes: list[bool]) -> list[nn.Module]:
+def _set_modes(
+    modules: list[nn.Module], modes: list[bool]
+) -> list[tuple[nn.Module, bool]]:
     """Give each of ``modules`` the training flag in ``modes`` again; returns
-    those whose flag it changed (each once: a shared module is listed as often
-    as it was reached)."""
-    flipped = {
-        id(m): m for m, mode in zip(modules, modes, strict=True) if m.training != mode
+    the flags it changed, as they were (each once: a shared module is listed as
+    often as it was reached)."""
+    changed = {
+        id(m): (m, m.training)
+        for m, mode in zip(modules, modes, strict=True)
+        if m.training != mode
     }
-    for module in flipped.values():
-        module.training = not module.training
-    return list(flipped.values())
+    for module, mode in changed.values():
+        module.training = not mode
+    return list(changed.values())
 
 
 def _two_contexts(

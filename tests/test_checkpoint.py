@@ -866,6 +866,31 @@ def test_recompute_runs_in_the_training_modes_of_the_forward(call: Any) -> None:
     assert not any(m.training for m in ran.modules())
 
 
+class FreezesItsNorm(nn.Module):
+    """Puts its batch norm in eval mode during its own forward (frozen
+    statistics, as detection backbones do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.norm.eval()
+        return self.drop(self.norm(self.lin(x))).tanh()
+
+
+def test_a_forward_that_sets_modes_itself() -> None:
+    # The recompute starts from the modes its forward started from, and the
+    # caller gets the modes the forward left (the norm in eval), not toggled.
+    x = torch.randn(5, 4, requires_grad=True)
+    assert_matches_plain(FreezesItsNorm(), x, lambda m, t: checkpoint(m, t))
+    model = FreezesItsNorm()
+    checkpoint(model, x).sum().backward()
+    assert model.training and model.drop.training and not model.norm.training
+
+
 class HeadRemoved(nn.Module):
     def __init__(self) -> None:
         super().__init__()
