@@ -19,7 +19,7 @@ with warnings.catch_warnings():
 
 from seqckpt import policies
 from seqckpt._state import is_checkpointing, is_recomputing
-from seqckpt.checkpoint import CheckpointError, checkpoint
+from seqckpt.checkpoint import CheckpointedFunction, CheckpointError, checkpoint
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
 from seqckpt.policies import name
@@ -33,6 +33,7 @@ from seqckpt.validation import validate
 
 __all__ = [
     "CheckpointError",
+    "CheckpointedFunction",
     "CheckpointedSequential",
     "MemoryStats",
     "Plan",

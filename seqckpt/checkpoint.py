@@ -38,7 +38,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -57,7 +57,7 @@ from seqckpt._buffers import (
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.policies import IGNORED_OPS, Keeping, Kept, Policy, Serving, as_policy
 
-__all__ = ["CheckpointError", "checkpoint"]
+__all__ = ["CheckpointError", "CheckpointedFunction", "checkpoint"]
 
 # torch's own functions, as they were when seqckpt was imported: compiled code
 # goes to torch's checkpoint even while seqckpt.replace_torch_checkpoint() has
@@ -94,11 +94,13 @@ class Options:
     debug: bool = False
     early_stop: bool = True
     policy: Policy | None = None
+    respect_saved_tensors_hooks: bool | None = None
 
 
 DEFAULT_OPTIONS = Options()
 
 
+@overload
 def checkpoint(
     function: Callable[..., T],
     *args: Any,
@@ -109,8 +111,39 @@ def checkpoint(
     early_stop: bool = True,
     preserve_rng_state: bool = True,
     policy: Any = None,
+    respect_saved_tensors_hooks: bool | None = None,
     **kwargs: Any,
-) -> T:
+) -> T: ...
+
+
+@overload
+def checkpoint(
+    function: None = None,
+    *,
+    use_reentrant: bool | None = None,
+    context_fn: ContextFn | None = None,
+    determinism_check: DeterminismCheck = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    policy: Any = None,
+    respect_saved_tensors_hooks: bool | None = None,
+) -> Callable[[Callable[..., T]], CheckpointedFunction[T]]: ...
+
+
+def checkpoint(
+    function: Callable[..., T] | None = None,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    context_fn: ContextFn | None = None,
+    determinism_check: DeterminismCheck = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    preserve_rng_state: bool = True,
+    policy: Any = None,
+    respect_saved_tensors_hooks: bool | None = None,
+    **kwargs: Any,
+) -> Any:
     """Call ``function(*args, **kwargs)`` without keeping its activations.
 
     The tensors autograd would keep for backward are dropped during forward and
@@ -120,10 +153,15 @@ def checkpoint(
 
     It takes the keywords of ``torch.utils.checkpoint.checkpoint`` and never
     passes them on to ``function``, so it drops in where torch's is called
-    (HF ``gradient_checkpointing_func``, timm, Lightning).
+    (HF ``gradient_checkpointing_func``, timm, Lightning). As torch's (2.14),
+    called with options only it returns a decorator:
+    ``seqckpt.checkpoint(preserve_rng_state=False)(fn)`` or
+    ``@seqckpt.checkpoint(policy="compute_heavy")`` on a function or method
+    gives a :class:`CheckpointedFunction` that checkpoints every call.
 
     Args:
-        function: any callable: an ``nn.Module``, a TorchScript module, a function.
+        function: any callable: an ``nn.Module``, a TorchScript module, a
+            function; omitted (with no ``args``): return a decorator.
         *args: positional arguments; tensors may sit in nested tuples, lists and
             dicts, and need not require grad (parameters used by ``function``
             still get their gradients).
@@ -165,13 +203,21 @@ def checkpoint(
             bool``. Kept outputs are served to the recompute instead of being
             computed again; under ``torch.compile`` the policy becomes torch's
             selective checkpointing (a kept name becomes a saved graph op).
+        respect_saved_tensors_hooks: as in torch 2.14: whether what torch's
+            selective checkpointing (``context_fn``) keeps goes through the
+            user's saved-tensor hooks around the region (``save_on_cpu``);
+            None keeps torch's default. A seqckpt ``policy`` keeps its
+            outputs outside those hooks (torch's earlier behaviour, without
+            its warning). Older torch ignores it.
         **kwargs: keyword arguments for ``function``.
 
     Returns:
-        Whatever ``function`` returns (tensors, containers, non-tensors).
+        Whatever ``function`` returns (tensors, containers, non-tensors); a
+        decorator where ``function`` is omitted.
 
     Raises:
-        TypeError: ``function`` is not callable, or a flag is not a bool.
+        TypeError: ``function`` is not callable, a flag is not a bool, or
+            keyword arguments for a function are given without one.
         ValueError: unknown ``determinism_check``.
         CheckpointError: in backward, when the recompute differs from the forward
             or an input was modified in place after the call.
@@ -207,6 +253,7 @@ def checkpoint(
         and debug is False
         and early_stop is True
         and preserve_rng_state is True
+        and respect_saved_tensors_hooks is None
         and (use_reentrant is None or use_reentrant is True or use_reentrant is False)
     ):
         options = DEFAULT_OPTIONS  # the common call, checked cheaply
@@ -219,9 +266,47 @@ def checkpoint(
             early_stop=early_stop,
             use_reentrant=use_reentrant,
             policy=policy,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
         )
+    if function is None and not args:
+        if kwargs:
+            raise TypeError(
+                "seqckpt: checkpoint() without a function makes a decorator and "
+                f"takes checkpoint options only, got {', '.join(sorted(kwargs))}; "
+                "pass the function's own arguments when calling it."
+            )
+        return functools.partial(CheckpointedFunction, options=options)
     _check_function(function)
-    return run_region(function, args, kwargs, options)
+    return run_region(function, args, kwargs, options)  # type: ignore[arg-type]
+
+
+class CheckpointedFunction(Generic[T]):
+    """A function checkpointed at every call: what ``checkpoint(**options)``
+    (no function) returns, applied to a function, or used as a decorator, on
+    methods too (as torch's curried form).
+
+    Example:
+        >>> import torch, seqckpt
+        >>> @seqckpt.checkpoint(preserve_rng_state=False)
+        ... def block(x):
+        ...     return x.sin().cos()
+        >>> x = torch.randn(3, requires_grad=True)
+        >>> block(x).sum().backward()
+    """
+
+    def __init__(self, function: Callable[..., T], options: Options) -> None:
+        _check_function(function)
+        self.function, self.options = function, options
+        functools.update_wrapper(self, function, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> T:
+        return run_region(self.function, args, kwargs, self.options)
+
+    def __get__(self, instance: Any, owner: Any = None) -> CheckpointedFunction[T]:
+        bind = getattr(self.function, "__get__", None)
+        if instance is None or bind is None:
+            return self
+        return CheckpointedFunction(bind(instance, owner), self.options)
 
 
 def make_options(
@@ -233,6 +318,7 @@ def make_options(
     early_stop: object = True,
     use_reentrant: object = None,
     policy: object = None,
+    respect_saved_tensors_hooks: object = None,
 ) -> Options:
     """Check the options of a checkpoint call; the default options are shared."""
     for name, value in (
@@ -248,6 +334,13 @@ def make_options(
         raise TypeError(
             "seqckpt: argument 'use_reentrant' must be True, False or None (it is "
             f"accepted for torch compatibility and ignored), got {use_reentrant!r}."
+        )
+    if respect_saved_tensors_hooks is not None and not isinstance(
+        respect_saved_tensors_hooks, bool
+    ):
+        raise TypeError(
+            "seqckpt: argument 'respect_saved_tensors_hooks' must be True, False or "
+            f"None, got {respect_saved_tensors_hooks!r}."
         )
     if determinism_check not in _CHECKS:
         raise ValueError(
@@ -274,6 +367,7 @@ def make_options(
         debug,  # type: ignore[arg-type]
         early_stop,  # type: ignore[arg-type]
         resolved,
+        respect_saved_tensors_hooks,  # type: ignore[arg-type]
     )
     return DEFAULT_OPTIONS if options == DEFAULT_OPTIONS else options
 
@@ -384,6 +478,8 @@ def _compiled_checkpoint(
         extra["context_fn"] = options.context_fn
     elif options.policy is not None:
         extra["context_fn"] = options.policy.torch_context_fn
+    if options.respect_saved_tensors_hooks is not None:  # (torch 2.14 and later)
+        extra["respect_saved_tensors_hooks"] = options.respect_saved_tensors_hooks
     result: T = TORCH_CHECKPOINT(
         function,
         *args,
@@ -671,6 +767,13 @@ class _Region:
                     forward_context, self.recompute_context = _two_contexts(
                         options.context_fn
                     )
+                    respect = options.respect_saved_tensors_hooks
+                    if respect is not None and isinstance(
+                        forward_context, _TORCH_SAC_CACHE
+                    ):
+                        # whether torch's selective checkpointing routes what it
+                        # keeps through the user's saved-tensor hooks
+                        forward_context.respect_saved_tensors_hooks = respect
                     setup.enter_context(forward_context)
                 if policy is not None and not self.keep_later:
                     self.kept = Kept()
@@ -684,7 +787,10 @@ class _Region:
         self.in_forward = True
         children: list[_Region] = []
         running = _POLICY_CHILDREN.set((children, True))
-        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+        pack: Callable[[torch.Tensor], Any] = self._pack
+        if _USER_HOOKS is not None:
+            pack = _mark_internal(functools.partial(_Region._pack, self))
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, self._unpack)
         try:
             if extra is None:
                 output = self.function(*self.args, **self.kwargs)
@@ -693,6 +799,8 @@ class _Region:
                     output = self.function(*self.args, **self.kwargs)
         finally:
             torch._C._autograd._pop_saved_tensors_default_hooks()
+            if _USER_HOOKS is not None:
+                del pack._user_hooks  # type: ignore[attr-defined]
             _POLICY_CHILDREN.reset(running)
             self.children = [weakref.ref(c) for c in children] or None
             self.in_forward = False
@@ -848,6 +956,8 @@ class _Region:
                 self.rng.restore()
             ambient = self.ambient.replay()
             _set_grad_enabled(True)
+            if _USER_HOOKS is not None:
+                _mark_internal(pack)
             torch._C._autograd._push_saved_tensors_default_hooks(pack, _identity)
             remade: list[_Region] = []
             running = _POLICY_CHILDREN.set((remade, False))
@@ -865,6 +975,8 @@ class _Region:
             finally:
                 _POLICY_CHILDREN.reset(running)
                 torch._C._autograd._pop_saved_tensors_default_hooks()
+                if _USER_HOOKS is not None:
+                    del pack._user_hooks  # type: ignore[attr-defined]
             if self.children is not None and not self.in_forward:
                 # The nested regions of the forward get what their remade
                 # twins kept (a twin the early stop never reached leaves its
@@ -1000,6 +1112,30 @@ def _two_contexts(
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
+
+# torch 2.14 and later: the user's saved-tensor hooks (save_on_cpu) as torch's
+# selective checkpointing finds them, looking past the hooks of checkpoints.
+_USER_HOOKS: Callable[[], Any] | None = getattr(
+    _torch_checkpoint, "_current_user_saved_tensors_hooks", None
+)
+
+
+def _mark_internal(pack: Any) -> Any:
+    """Mark a region's pack hook as a checkpoint's own, as torch marks its
+    own, while it is pushed: torch's selective checkpointing inside the region
+    then looks past it to the user's hooks (it took seqckpt's for the user's,
+    warned on every call and, told to respect them, sent its kept tensors into
+    the region's recompute). Taken off again after the pop (a graph keeps the
+    hook in a way the garbage collector cannot see)."""
+    assert _USER_HOOKS is not None
+    pack._checkpoint_internal = True
+    pack._user_hooks = _USER_HOOKS()
+    return pack
+
+
+# torch's selective-checkpointing forward mode (torch 2.14 and later read its
+# respect_saved_tensors_hooks attribute; earlier ones ignore it)
+_TORCH_SAC_CACHE: Any = getattr(_torch_checkpoint, "_CachingTorchDispatchMode", ())
 
 _FUNCTORCH = torch._C._functorch
 _peek_transform: Callable[[], Any] = getattr(

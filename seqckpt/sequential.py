@@ -85,6 +85,7 @@ def checkpoint_sequential(
     early_stop: bool = True,
     memory_budget: BudgetSource | None = None,
     policy: Any = None,
+    respect_saved_tensors_hooks: bool | None = None,
 ) -> Any:
     """Run a chain of modules with all but its last segment checkpointed.
 
@@ -119,6 +120,7 @@ def checkpoint_sequential(
         policy: what each checkpointed segment keeps (see
             :func:`seqckpt.checkpoint`), with ``segments`` a count or sizes; a
             plan carries its own per segment.
+        respect_saved_tensors_hooks: see :func:`seqckpt.checkpoint`.
 
     Returns:
         The output of the last module. Outputs, gradients and buffers are bitwise
@@ -145,6 +147,7 @@ def checkpoint_sequential(
         debug=debug,
         early_stop=early_stop,
         use_reentrant=use_reentrant,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
     )
     chosen = as_policy(policy)
     if not torch.is_grad_enabled():

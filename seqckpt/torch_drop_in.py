@@ -106,7 +106,7 @@ def _with_block_options(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.wraps(checkpoint)
-def _checkpoint_in_block(function: Any, *args: Any, **kwargs: Any) -> Any:
+def _checkpoint_in_block(function: Any = None, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(function, *args, **_with_block_options(kwargs))
 
 

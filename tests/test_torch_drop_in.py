@@ -255,3 +255,134 @@ def test_bad_options_fail_when_the_block_opens() -> None:
     with pytest.raises(TypeError, match=r"^seqckpt: argument 'early_stop'"):
         replace_torch_checkpoint(early_stop="no")
     assert torch.utils.checkpoint.checkpoint is TORCH_CHECKPOINT
+
+
+# ------------------------------------------- torch 2.14's curried form, keyword
+
+
+class Doubles(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.drop = nn.Dropout(0.3)
+
+    @seqckpt.checkpoint(policy="compute_heavy")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x).sin()).cos()
+
+
+def test_checkpoint_with_options_only_is_a_decorator() -> None:
+    # torch 2.14: checkpoint(**options)(fn), also on methods
+    def block(t: torch.Tensor) -> torch.Tensor:
+        inside.append(seqckpt.is_checkpointing() or seqckpt.is_recomputing())
+        return t.sin().cos()
+
+    inside: list[bool] = []
+    wrapped = seqckpt.checkpoint(preserve_rng_state=False)(block)
+    assert isinstance(wrapped, seqckpt.CheckpointedFunction)
+    assert wrapped.__name__ == "block"
+    x = torch.randn(4, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert inside == [True, True]  # its forward and its recompute
+    assert x.grad is not None and torch.equal(x.grad, -torch.sin(x.sin()) * x.cos())
+    x = torch.randn(3, 6, requires_grad=True)
+    assert_matches_plain(
+        Doubles(),
+        x,
+        lambda m, t: m(t),
+        plain=lambda m, t: Doubles.forward.function(m, t),  # undecorated
+    )
+
+
+def test_curried_form_checks_its_options_at_once() -> None:
+    with pytest.raises(ValueError, match=r"^seqckpt: argument 'determinism_check'"):
+        seqckpt.checkpoint(determinism_check="exact")
+    with pytest.raises(TypeError, match=r"^seqckpt: checkpoint\(\) without a func"):
+        seqckpt.checkpoint(scale=2.0)
+    with pytest.raises(TypeError, match=r"^seqckpt: argument 'respect_saved_"):
+        seqckpt.checkpoint(torch.sin, torch.ones(1), respect_saved_tensors_hooks=1)
+
+
+def test_torchs_curried_form_inside_a_block_is_seqckpts() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with replace_torch_checkpoint():
+        wrapped = torch.utils.checkpoint.checkpoint(use_reentrant=False)(torch.sin)
+    assert isinstance(wrapped, seqckpt.CheckpointedFunction)
+    wrapped(x).sum().backward()
+    assert x.grad is not None and torch.equal(x.grad, x.cos())
+
+
+def test_respect_saved_tensors_hooks_reaches_torchs_selective_checkpointing() -> None:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    made: list[Any] = []
+
+    def context_fn() -> Any:
+        contexts = create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+        made.append(contexts[0])
+        return contexts
+
+    x = torch.randn(4, 4, requires_grad=True)
+    for respect in (True, False):
+        out = seqckpt.checkpoint(
+            lambda t: (t @ t).sin(),
+            x,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=respect,
+        )
+        out.sum().backward()
+        assert made[-1].respect_saved_tensors_hooks is respect
+    # accepted wherever checkpoint options are
+    seqckpt.checkpoint_sequential(
+        [nn.Linear(4, 4), nn.Tanh()], 2, x, respect_saved_tensors_hooks=True
+    ).sum().backward()
+    with replace_torch_checkpoint(respect_saved_tensors_hooks=False):
+        torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.utils.checkpoint, "_current_user_saved_tensors_hooks"),
+    reason="torch < 2.14: its selective checkpointing does not look for user hooks",
+)
+def test_torchs_selective_checkpointing_looks_past_seqckpts_hooks() -> None:
+    # torch 2.14's selective checkpointing looks for the user's saved-tensor
+    # hooks around it. It took seqckpt's for them: a FutureWarning at every
+    # call, and with respect_saved_tensors_hooks=True its kept tensors went
+    # into the region's recompute ("aten.matmul.default ... not found").
+    import warnings
+
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def context_fn() -> Any:
+        return create_selective_checkpoint_contexts([torch.ops.aten.mm.default])
+
+    x = torch.randn(4, 4, requires_grad=True)
+    (want,) = torch.autograd.grad((x @ x).sin().sum(), x)
+    packed: dict[Any, int] = {}
+    for respect in (None, True, False):
+        packed[respect] = 0
+
+        def count(t: torch.Tensor, respect: Any = respect) -> torch.Tensor:
+            packed[respect] += 1
+            return t
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            out = seqckpt.checkpoint(
+                lambda t: (t @ t).sin(),
+                x,
+                context_fn=context_fn,
+                respect_saved_tensors_hooks=respect,
+            )
+            (got,) = torch.autograd.grad(out.sum(), x)
+        assert torch.equal(got, want)
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            out = seqckpt.checkpoint(
+                lambda t: (t @ t).sin(),
+                x,
+                context_fn=context_fn,
+                respect_saved_tensors_hooks=bool(respect),
+            )
+        (got,) = torch.autograd.grad(out.sum(), x)
+        assert torch.equal(got, want)
+    assert packed[True] > packed[False]  # the kept mm output went through it
