@@ -52,8 +52,8 @@ def replace_torch_checkpoint(**options: Any) -> contextlib.AbstractContextManage
     Args:
         **options: keywords of :func:`seqckpt.checkpoint` for every call made in
             the block by this thread: ``policy``, ``determinism_check``,
-            ``early_stop``, ``debug``, ``preserve_rng_state``, ``context_fn``
-            (the fields of its options).
+            ``early_stop``, ``debug``, ``preserve_rng_state``, ``context_fn``,
+            ``respect_saved_tensors_hooks`` (the fields of its options).
             A keyword the call passes itself wins (a library's
             ``preserve_rng_state=True`` stays); nested blocks add to the
             options of the blocks around them. Checked when the block opens.
