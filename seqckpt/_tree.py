@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 Rebuild = Callable[[list[torch.Tensor]], Any]
 
@@ -27,6 +28,30 @@ def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Te
         for item in obj.values():
             tensors_in(item, out)
     return out
+
+
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold ``t``'s data: ``t`` itself, or for a wrapper
+    subclass such as DTensor (which has no memory of its own) its inner
+    tensors, recursively."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = [getattr(t, a) for a in attrs]  # DTensor also lists its device mesh
+    return [p for i in inner if isinstance(i, torch.Tensor) for p in plain_tensors(i)]
+
+
+def storages_in(obj: Any) -> dict[int, int]:
+    """Bytes of every distinct non-empty storage the tensors in ``obj`` live
+    in, by storage identity. Told apart by storage object, not data pointer:
+    DTensor has none (its shards do) and meta and fake tensors all read 0."""
+    found: dict[int, int] = {}
+    for t in tensors_in(obj):
+        for inner in plain_tensors(t):
+            storage = inner.untyped_storage()
+            if storage.nbytes():
+                found[storage._cdata] = storage.nbytes()
+    return found
 
 
 def replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:

@@ -54,7 +54,7 @@ from seqckpt._buffers import (
     survey,
     watching_modules,
 )
-from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt._tree import plain_tensors, replace_tensors, tensors_in
 from seqckpt.policies import IGNORED_OPS, Keeping, Kept, Policy, Serving, as_policy
 
 __all__ = ["CheckpointError", "CheckpointedFunction", "checkpoint"]
@@ -549,7 +549,15 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
     """Three float64 numbers that change when any value of ``t`` does: the sum,
     and position-weighted sums of its sums along two groups of dimensions.
     Reductions accumulate in float64 without a float64 copy of ``t``; the only
-    temporaries are the two vectors of partial sums."""
+    temporaries are the two vectors of partial sums. A wrapper subclass
+    (DTensor) is read through the tensors that hold its data (a rank's shard):
+    their fingerprints, summed with weights."""
+    inner = plain_tensors(t)
+    if inner[0] is not t:
+        prints = [p for p in map(_fingerprint, inner) if p is not None]
+        if not prints:
+            return None
+        return torch.stack([i * p for i, p in enumerate(prints, 1)]).sum(dim=0)
     if t.is_sparse or t.is_quantized or t.is_meta or t.numel() == 0:
         return None
     x = t.detach()

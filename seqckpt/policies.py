@@ -42,6 +42,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from seqckpt._tree import storages_in
+
 __all__ = ["COMPUTE_HEAVY", "Policy", "as_policy", "name", "names", "ops"]
 
 _HEAVY_OPS = (
@@ -333,11 +335,11 @@ class Kept:
         convolution) would leave it looking unchanged; the mode sees that op
         and drops the entry here instead, and the recompute runs the op again.
         """
-        hit = {w.untyped_storage().data_ptr() for w in written}
+        hit = storages_in(written).keys()
         for key in [
             key
             for key, (out, _) in self.entries.items()
-            if any(t.untyped_storage().data_ptr() in hit for t in _tensors(out))
+            if not hit.isdisjoint(storages_in(out))
         ]:
             del self.entries[key]
 

@@ -179,8 +179,83 @@ def auto_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> Non
     _exit_cleanly()
 
 
+class _ParallelMLP(nn.Module):
+    """A Megatron-style MLP for tensor parallelism: a column-parallel linear,
+    GELU and an in-place op on its output (written over what a policy may
+    keep), a row-parallel linear, dropout and a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.up(x)).mul_(2.0)
+        return x + self.drop(self.down(h))
+
+
+TP_POLICIES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "compute_heavy": {"policy": "compute_heavy"},
+    "everything_values": {
+        "policy": lambda op, *args, **kwargs: True,
+        "determinism_check": "values",
+    },
+}
+
+
+def tp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
+    """Tensor parallelism (the linears' weights and inputs are DTensors sharded
+    over the two ranks) with each block checkpointed under a policy: bitwise
+    the plain tensor-parallel step on the same ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    _init(rank, port)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        # The hidden activations stay DTensors (sharded) between the linears.
+        plan = {
+            "up": ColwiseParallel(use_local_output=False),
+            "down": RowwiseParallel(),
+        }
+        results = []
+        for checkpointed in (False, True):
+            torch.manual_seed(0)
+            blocks = nn.ModuleList(_ParallelMLP() for _ in range(3))
+            for block in blocks:
+                parallelize_module(block, mesh, plan)
+            x = _batch().requires_grad_()
+            torch.manual_seed(2)
+            y = x
+            for block in blocks:
+                y = (
+                    seqckpt.checkpoint(block, y, **TP_POLICIES[kind])
+                    if checkpointed
+                    else block(y)
+                )
+            y.pow(2).mean().backward()
+            grads = [p.grad.full_tensor() for p in blocks.parameters()]  # type: ignore[union-attr]
+            results.append((y.detach(), x.grad, grads))
+        (y0, gx0, g0), (y1, gx1, g1) = results
+        assert torch.equal(y0, y1), f"rank {rank} tp {kind}: outputs differ"
+        assert torch.equal(gx0, gx1), f"rank {rank} tp {kind}: input grads differ"  # type: ignore[arg-type]
+        for i, (a, b) in enumerate(zip(g0, g1, strict=True)):
+            assert torch.equal(a, b), f"rank {rank} tp {kind}: grad {i} differs"
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    _exit_cleanly()
+
+
 WORKERS: dict[str, Callable[..., None]] = {
     "ddp": ddp_worker,
     "fsdp": fsdp_worker,
     "auto": auto_worker,
+    "tp": tp_worker,
 }

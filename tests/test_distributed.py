@@ -1,4 +1,4 @@
-"""DDP and FSDP2 with checkpointed models: 2 processes on gloo, started here.
+"""DDP, FSDP2 and tensor parallelism with checkpointed models: 2 processes on gloo, started here.
 
 Each case spawns two processes on a free localhost port, bounded in time; a
 failing or hanging case kills both and fails with the worker's error.
@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.distributed_workers import WORKERS
+from tests.distributed_workers import TP_POLICIES, WORKERS
 
 TIMEOUT_S = 120
 
@@ -71,6 +71,14 @@ def test_ddp_gradients_equal_a_single_process(
 @pytest.mark.parametrize("kind", ["module", "plan"])
 def test_fsdp2_gradients_equal_plain_fsdp2(kind: str) -> None:
     run_two_ranks("fsdp", kind, {})
+
+
+@pytest.mark.parametrize("kind", sorted(TP_POLICIES))
+def test_tensor_parallel_blocks_under_each_policy_equal_plain(kind: str) -> None:
+    # DTensor weights and activations inside the region: a policy's bookkeeping
+    # (which kept outputs an in-place op wrote over) and the "values"
+    # fingerprints must read DTensors through their local shards.
+    run_two_ranks("tp", kind, {})
 
 
 def test_segments_auto_gives_every_rank_the_same_plan() -> None:

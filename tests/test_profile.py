@@ -170,3 +170,39 @@ def test_policy_costs_include_the_forward_under_the_policy() -> None:
     for layer in old.layers:
         assert layer.policies[0].forward_time is None
         assert layer.forward_time_under(layer.policies[0]) == layer.forward_time
+
+
+def test_a_profile_under_fake_tensors_measures_the_same_bytes() -> None:
+    # Under FakeTensorMode nothing is allocated and every data pointer reads 0:
+    # storages must be told apart by identity, or the bytes a policy keeps
+    # collapse into one storage (it read 0 kept bytes here). Times are not
+    # meaningful there; the byte figures must equal a real profile's.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def chain() -> nn.Sequential:
+        return nn.Sequential(
+            *[
+                nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+                for _ in range(3)
+            ]
+        )
+
+    byte_fields = (
+        "input_bytes", "output_bytes", "saved_bytes", "held_bytes",
+        "forward_peak_bytes", "nograd_peak_bytes", "backward_peak_bytes",
+        "returns_input",
+    )  # fmt: skip
+    real = seqckpt.profile(
+        chain(), torch.randn(8, 16), policies=(None, "compute_heavy")
+    )
+    with FakeTensorMode():
+        fake = seqckpt.profile(
+            chain(), torch.randn(8, 16), policies=(None, "compute_heavy")
+        )
+    for a, b in zip(real.layers, fake.layers, strict=True):
+        assert [getattr(a, f) for f in byte_fields] == [
+            getattr(b, f) for f in byte_fields
+        ]
+        kept = [(c.policy, c.kept_bytes, c.keeps_output) for c in a.policies]
+        assert kept == [(c.policy, c.kept_bytes, c.keeps_output) for c in b.policies]
+        assert any(c.kept_bytes > 0 for c in a.policies)

@@ -25,7 +25,7 @@ from torch.nn.parameter import is_lazy
 from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
 from seqckpt._state import RngState, accelerator_devices
-from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt._tree import replace_tensors, storages_in, tensors_in
 from seqckpt.checkpoint import Options, _Region
 from seqckpt.memory import MemoryStats, Stopwatch, track_memory
 from seqckpt.planner.twins import twin_key
@@ -206,11 +206,7 @@ class ChainProfile:
 
 
 def _nbytes(obj: Any) -> int:
-    storages = {}
-    for t in tensors_in(obj):
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    return sum(storages_in(obj).values())
 
 
 def _detached(obj: Any, requires_grad: Sequence[bool]) -> Any:
@@ -330,7 +326,7 @@ def _fresh(x: Any) -> Any:
 
 
 def _storages(obj: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors_in(obj)} - {0}
+    return set(storages_in(obj))
 
 
 def _name(item: Callable[..., Any]) -> str:
