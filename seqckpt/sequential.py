@@ -202,6 +202,7 @@ class CheckpointedSequential(nn.Sequential):
         early_stop: bool = True,
         memory_budget: BudgetSource | None = None,
         policy: Any = None,
+        respect_saved_tensors_hooks: bool | None = None,
     ) -> None:
         super().__init__(*args)
         self.options = make_options(
@@ -211,6 +212,7 @@ class CheckpointedSequential(nn.Sequential):
             debug=debug,
             early_stop=early_stop,
             use_reentrant=use_reentrant,
+            respect_saved_tensors_hooks=respect_saved_tensors_hooks,
         )
         if memory_budget is not None and not callable(memory_budget):
             parse_budget(memory_budget)

@@ -336,6 +336,16 @@ def test_respect_saved_tensors_hooks_reaches_torchs_selective_checkpointing() ->
     seqckpt.checkpoint_sequential(
         [nn.Linear(4, 4), nn.Tanh()], 2, x, respect_saved_tensors_hooks=True
     ).sum().backward()
+    for respect in (True, False):
+        model = seqckpt.CheckpointedSequential(
+            nn.Linear(4, 4),
+            nn.Tanh(),
+            segments=2,
+            context_fn=context_fn,
+            respect_saved_tensors_hooks=respect,
+        )
+        model(x).sum().backward()
+        assert made[-1].respect_saved_tensors_hooks is respect
     with replace_torch_checkpoint(respect_saved_tensors_hooks=False):
         torch.utils.checkpoint.checkpoint(torch.sin, x, use_reentrant=False)
 
