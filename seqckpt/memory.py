@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from seqckpt._tree import tensors_in
+from seqckpt._tree import plain_tensors, tensors_in
 
 __all__ = ["MemoryStats", "track_memory"]
 
@@ -238,6 +238,10 @@ class _LiveStorages(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         return out
 
     def _count(self, t: torch.Tensor, args: Any, kwargs: Any) -> None:
+        if type(t) is not torch.Tensor and (inner := plain_tensors(t))[0] is not t:
+            for i in inner:  # a wrapper subclass: its memory is its inner tensors
+                self._count(i, args, kwargs)
+            return
         if t.is_meta:
             return
         storage = t.untyped_storage()
@@ -268,14 +272,17 @@ def _forget(ref: _StorageRef) -> None:
 
 
 def _holds(key: int, values: Any) -> bool:
-    """Whether a tensor among ``values`` (or in a list, tuple or dict there) has
-    the storage whose id is ``key``."""
+    """Whether a tensor among ``values`` (or in a list, tuple or dict there, or
+    inside a wrapper subclass) has the storage whose id is ``key``."""
     for v in values:
-        if isinstance(v, torch.Tensor):
+        if type(v) is torch.Tensor:
             if not v.is_meta and id(v.untyped_storage()) == key:
                 return True
-        elif isinstance(v, (list, tuple, dict)) and any(
-            id(t.untyped_storage()) == key for t in tensors_in(v) if not t.is_meta
+        elif isinstance(v, (torch.Tensor, list, tuple, dict)) and any(
+            id(p.untyped_storage()) == key
+            for t in tensors_in(v)
+            for p in plain_tensors(t)
+            if not p.is_meta
         ):
             return True
     return False

@@ -38,6 +38,22 @@ def test_views_share_storage_and_preexisting_tensors_do_not_count() -> None:
     del v, w, x, y
 
 
+def test_a_wrapper_subclass_counts_the_memory_of_its_inner_tensors() -> None:
+    # A wrapper subclass (DTensor, here torch's two-tensor test subclass) has a
+    # storage of its own shape that holds nothing: DTensor's reads the global
+    # size where a rank holds its shard. What counts is the inner tensors.
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    outside = TwoTensor(torch.ones(1000), torch.ones(1000))
+    with track_memory() as mem:
+        doubled = outside * 2  # two new inner tensors of 4000 bytes
+        view = doubled.view(10, 100)  # views of them: nothing new
+        outside.mul_(3)  # in place: nothing new
+        del doubled, view  # frees both inner tensors
+    assert mem.peak_bytes == 8000
+    assert mem.end_bytes == 0
+
+
 def chain() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
