@@ -464,6 +464,39 @@ def test_a_kept_output_changed_in_place_is_computed_again(overwrite: str) -> Non
     )
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"policy": "compute_heavy"},
+        {"policy": lambda op, *args, **kwargs: True, "determinism_check": "values"},
+    ],
+    ids=["compute_heavy", "everything_values"],
+)
+def test_wrapper_subclass_tensors_under_a_policy(options: dict[str, Any]) -> None:
+    # DTensor's case in one process (tests/test_distributed.py runs DTensor
+    # itself): a wrapper subclass has no data pointer of its own, so which kept
+    # output an in-place op wrote over, and the "values" fingerprints, must be
+    # read through its inner tensors. It raised "invalid python storage".
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x @ w  # kept
+        h.mul_(3)  # written over what was kept
+        return h.sin()
+
+    def step(checkpointed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = TwoTensor(torch.randn(4, 6), torch.randn(4, 6)).requires_grad_()
+        w = TwoTensor(torch.randn(6, 6), torch.randn(6, 6)).requires_grad_()
+        y = checkpoint(block, x, w, **options) if checkpointed else block(x, w)
+        y.sum().backward()
+        assert x.grad is not None and w.grad is not None
+        return [t for u in (y.detach(), x.grad, w.grad) for t in (u.a, u.b)]
+
+    for got, plain in zip(step(True), step(False), strict=True):
+        assert torch.equal(got, plain)
+
+
 def test_squeeze_excitation_under_compute_heavy_is_bitwise() -> None:
     torch.manual_seed(0)
     assert_matches_plain(
