@@ -6,6 +6,7 @@ that is passed through untouched. Internal: nothing here is public API.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,5 +74,13 @@ def _rebuild(o: Any, it: Iterator[torch.Tensor]) -> Any:
     if isinstance(o, list):
         return type(o)(_rebuild(i, it) for i in o)
     if isinstance(o, dict):
-        return type(o)((k, _rebuild(v, it)) for k, v in o.items())
+        items = [(k, _rebuild(v, it)) for k, v in o.items()]
+        if type(o) is dict:
+            return dict(items)
+        # A copy, not type(o)(items): a subclass's constructor may take other
+        # arguments (defaultdict's first is its default factory).
+        new = copy.copy(o)
+        for k, v in items:
+            new[k] = v
+        return new
     return o

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import gc
@@ -190,6 +191,43 @@ def test_kwargs_containers_and_non_tensors() -> None:
         results.append([a.grad, b.grad, c.grad, w.grad, lin.weight.grad])
     for got, ref in zip(results[1], results[0], strict=False):
         assert torch.equal(got, ref)
+
+
+class NamedTable(dict):  # type: ignore[type-arg]
+    """A dict subclass whose constructor takes something else than items."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+
+@pytest.mark.parametrize("kind", ["defaultdict", "OrderedDict", "NamedTable"])
+def test_dict_subclass_inputs_of_a_nested_region(kind: str) -> None:
+    # A region nested in another saves its inputs through the outer one and
+    # rebuilds its arguments from them in backward: a dict subclass must come
+    # back as itself (defaultdict(items) took the items for a default factory).
+    def table(t: torch.Tensor) -> dict:  # type: ignore[type-arg]
+        made: dict = {  # type: ignore[type-arg]
+            "defaultdict": lambda: collections.defaultdict(list),
+            "OrderedDict": collections.OrderedDict,
+            "NamedTable": lambda: NamedTable("t"),
+        }[kind]()
+        made["x"], made["scale"] = t, 2.0
+        return made
+
+    def inner(d: dict) -> torch.Tensor:  # type: ignore[type-arg]
+        assert type(d) is type(table(torch.ones(1)))
+        return d["x"].sin() * d["scale"]
+
+    def outer(t: torch.Tensor) -> torch.Tensor:
+        return checkpoint(inner, table(t * 3)).exp()
+
+    x = torch.randn(5, requires_grad=True)
+    checkpoint(outer, x).sum().backward()
+    got = x.grad
+    x.grad = None
+    (inner(table(x * 3))).exp().sum().backward()
+    assert got is not None and torch.equal(got, x.grad)
 
 
 def test_nested_checkpoints_match_and_recompute_inner() -> None:
