@@ -10,8 +10,9 @@ Which modules a region runs is read off the callable (:func:`modules_of`): the
 module itself, the object of a bound method (HF's ``layer.__call__``), the
 callable and arguments of a ``functools.partial``, what a closure captures
 (timm's ``checkpoint_seq`` and torch's ``run_function`` close over a tuple or
-list of modules), what a callable object holds in its attributes, and modules
-inside tuples, lists, dicts and sets of any of those. A module reached only
+list of modules), what an object holds in its attributes (a callable object,
+or a script's own class that a lambda closes over), and modules inside tuples,
+lists, dicts and sets of any of those, four levels deep. A module reached only
 through a global is not visible that way; :func:`watching_modules` finds every
 module a region calls, however it is reached, with a global forward pre-hook.
 It costs a few microseconds per module call (the hook moves every module call
@@ -46,6 +47,7 @@ Internal: nothing here is public API.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -97,48 +99,63 @@ def modules_of(function: object) -> list[nn.Module]:
     """
     if isinstance(function, nn.Module):
         return [function]
+    # Breadth first, so that the modules nearest the callable are found before
+    # the walk spends its budget on a large object graph it reached (a closure
+    # over a training script's object that also holds the dataset).
     found: dict[int, nn.Module] = {}
     seen: set[int] = set()
-    _visit(function, 4, found, seen)
+    level: list[object] = [function]
+    budget = _WALK_BUDGET
+    for depth in range(_WALK_DEPTH + 1):
+        below: list[object] = []
+        for obj in level:
+            if isinstance(obj, nn.Module):
+                found.setdefault(id(obj), obj)
+            elif (
+                depth < _WALK_DEPTH
+                and budget > len(below)
+                and id(obj) not in seen
+                and not isinstance(obj, (str, bytes, int, float))
+            ):
+                seen.add(id(obj))
+                below.extend(itertools.islice(_held_by(obj), budget - len(below)))
+        budget -= len(below)
+        level = below
     return list(found.values())
 
 
-def _visit(
-    obj: object, depth: int, found: dict[int, nn.Module], seen: set[int]
-) -> None:
-    # A module-level function, not a closure: a recursive closure is a reference
-    # cycle that only the garbage collector frees.
-    if isinstance(obj, nn.Module):
-        found.setdefault(id(obj), obj)
-        return
-    if depth == 0 or id(obj) in seen or isinstance(obj, (str, bytes, int, float)):
-        return
-    seen.add(id(obj))
-    children: list[object] = []
+# How far (objects away from the callable) and how many objects the module
+# walk looks: bounded, because it runs at every call of a region.
+_WALK_DEPTH = 4
+_WALK_BUDGET = 1000
+
+
+def _held_by(obj: object) -> Iterator[object]:
+    """The objects ``obj`` holds that the module walk looks into."""
     if isinstance(obj, (tuple, list, set, frozenset)):
-        children.extend(obj)
+        yield from obj
     elif isinstance(obj, dict):
-        children.extend(obj.values())
+        yield from obj.values()
     elif isinstance(obj, functools.partial):
-        children.extend((obj.func, *obj.args, *obj.keywords.values()))
+        yield obj.func
+        yield from obj.args
+        yield from obj.keywords.values()
     elif isinstance(obj, (types.FunctionType, types.MethodType)):
-        children.append(getattr(obj, "__self__", None))
-        closure = getattr(obj, "__closure__", None)
-        for cell in closure or ():
+        yield getattr(obj, "__self__", None)
+        for cell in getattr(obj, "__closure__", None) or ():
             try:
-                children.append(cell.cell_contents)
+                yield cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-        children.append(getattr(obj, "__wrapped__", None))
-    elif callable(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
-        children.extend(vars(obj).values())  # a callable object's attributes
+        yield getattr(obj, "__wrapped__", None)
+    elif hasattr(obj, "__dict__") and not isinstance(
+        obj, (type, types.ModuleType, torch.Tensor)
+    ):
+        # an object's attributes: a callable object's, or a training script's
+        # own class a lambda closes over (``lambda h: self.model(h)``)
+        yield from vars(obj).values()
     else:
-        self_ = getattr(obj, "__self__", None)  # a bound builtin method
-        if self_ is not None:
-            children.append(self_)
-    for child in children:
-        if child is not None:
-            _visit(child, depth - 1, found, seen)
+        yield getattr(obj, "__self__", None)  # a bound builtin method
 
 
 @contextmanager

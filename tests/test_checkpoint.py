@@ -818,6 +818,17 @@ def in_partial_dict(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     return checkpoint(functools.partial(run, {"a": m[0], "b": m[1], "c": m[2]}), x)
 
 
+class Trainer:
+    """A plain (not callable, not a module) object holding the model, as a
+    training script's own class does."""
+
+    def __init__(self, blocks: nn.ModuleList) -> None:
+        self.model = blocks
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(lambda h: run_all(self.model, h), x)
+
+
 def run_all(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
     for block in m:
         x = block(x)
@@ -831,12 +842,57 @@ def run_all(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
         in_list_closure,
         in_partial_dict,
         lambda m, x: checkpoint(Stages(m), x),
+        lambda m, x: Trainer(m).step(x),
     ],
-    ids=["timm-checkpoint-seq", "list-in-closure", "dict-in-partial", "object"],
+    ids=[
+        "timm-checkpoint-seq",
+        "list-in-closure",
+        "dict-in-partial",
+        "object",
+        "lambda-over-plain-object",
+    ],
 )
 def test_buffers_of_modules_reached_through_containers(call: Any) -> None:
     x = torch.randn(6, 4, requires_grad=True)
     assert_matches_plain(bn_blocks(), x, call, plain=run_all)
+
+
+class Samples:
+    def __init__(self) -> None:
+        self.rows = list(range(100_000))
+        self.index = {str(i): [i] for i in range(1000)}
+
+
+def test_the_module_walk_is_bounded_and_finds_the_nearest_modules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A lambda over a script's object that holds a dataset before the model:
+    # the walk (it runs at every call of a region) must not look through the
+    # whole dataset, and must still find the model next to it.
+    from seqckpt import _buffers
+
+    looked: list[object] = []
+    held_by = _buffers._held_by
+
+    def counting(obj: object) -> Any:
+        for item in held_by(obj):
+            looked.append(item)
+            yield item
+
+    monkeypatch.setattr(_buffers, "_held_by", counting)
+
+    class Script:
+        def __init__(self, model: nn.ModuleList) -> None:
+            self.data = Samples()
+            self.model = model
+
+    def call(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        script = Script(m)
+        return checkpoint(lambda h: run_all(script.model, h), x)
+
+    x = torch.randn(6, 4, requires_grad=True)
+    assert_matches_plain(bn_blocks(), x, call, plain=run_all)
+    assert 0 < len(looked) <= _buffers._WALK_BUDGET  # one region call
 
 
 GLOBAL_BN = nn.BatchNorm1d(4)
