@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from seqckpt.__main__ import main
 from seqckpt.models import MODELS
@@ -84,3 +85,30 @@ def test_plot_draws_the_picture_with_matplotlib(tmp_path) -> None:  # type: igno
     picture = tmp_path / "frontier.png"
     assert plot_frontier(points, str(picture), "test")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_frontier_schedules_are_timed_side_by_side() -> None:
+    # Round after round, one step of each schedule, so that the machine's
+    # drift while it runs moves every schedule alike; peaks (with a warm-up
+    # step each) are measured before any timing.
+    from torch import nn
+
+    from seqckpt.planner.frontier import measure_steps
+
+    calls: list[str] = []
+
+    def schedule(name: str):  # type: ignore[no-untyped-def]
+        def forward(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+            calls.append(name)
+            return model(x)
+
+        return forward
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    got = measure_steps(
+        model, torch.randn(2, 4), [schedule("a"), schedule("b")], "cpu", repeats=3
+    )
+    assert [m.peak_bytes > 0 and m.seconds > 0 for m in got] == [True, True]
+    peaks, timing = calls[:4], calls[4:]
+    assert peaks == ["a", "a", "b", "b"]  # warm-up and measured step each
+    assert timing == ["a", "b"] * 3

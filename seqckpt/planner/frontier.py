@@ -40,6 +40,7 @@ __all__ = [
     "frontier",
     "measure_peak",
     "measure_step",
+    "measure_steps",
     "torch_every_block",
     "torch_sac_every_block",
     "torch_uniform",
@@ -120,6 +121,65 @@ def measure_peak(
     return mem.peak_bytes
 
 
+def _as_forward(segments: int | Plan | Forward, model: nn.Sequential) -> Forward:
+    if callable(segments):
+        return segments
+    plan = resolve_plan(segments, list(model))
+
+    def forward(m: nn.Sequential, t: Any) -> Any:
+        return run_plan(plan, list(m), t)
+
+    return forward
+
+
+def measure_steps(
+    model: nn.Sequential,
+    x: Any,
+    schedules: list[int | Plan | Forward],
+    device: str | torch.device,
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[StepMeasurement]:
+    """Measure each schedule's peak (:func:`measure_peak`) and the median time
+    of ``repeats`` :func:`training_step` s, the steps taken side by side: round
+    after round, one step of every schedule per round, so that a machine that
+    slows down or speeds up while it runs moves every schedule alike (timed one
+    after the other, two runs of the same schedule differed by 15% here).
+
+    Args:
+        model: the chain.
+        x: its input.
+        schedules: for each, anything :func:`seqckpt.checkpoint_sequential`
+            takes as segments, or a function ``(model, x) -> output``.
+        device: where the step runs and memory is measured.
+        repeats: rounds of steps; each schedule's time is its median.
+        progress: told what is measured next.
+
+    Returns:
+        One measurement per schedule, in order. The model's gradients and
+        buffers are changed as by any training steps.
+    """
+    dev = torch.device(device)
+    forwards = [_as_forward(s, model) for s in schedules]
+    peaks = []
+    for i, forward in enumerate(forwards):
+        if progress:
+            progress(f"peak {i + 1} of {len(forwards)}")
+        peaks.append(measure_peak(model, x, forward, dev))
+    times: list[list[float]] = [[] for _ in forwards]
+    for r in range(repeats):
+        if progress:
+            progress(f"times, round {r + 1} of {repeats}")
+        for forward, taken in zip(forwards, times, strict=True):
+            taken.append(
+                timed(functools.partial(training_step, model, x, forward), dev)[1]
+            )
+    return [
+        StepMeasurement(peak, statistics.median(taken))
+        for peak, taken in zip(peaks, times, strict=True)
+    ]
+
+
 def measure_step(
     model: nn.Sequential,
     x: Any,
@@ -132,20 +192,7 @@ def measure_step(
     :func:`seqckpt.checkpoint_sequential` takes, or a function
     ``(model, x) -> output``). The model's gradients and buffers are changed as
     by any training step."""
-    dev = torch.device(device)
-    if callable(segments):
-        forward = segments
-    else:
-        plan = resolve_plan(segments, list(model))
-
-        def forward(m: nn.Sequential, t: Any) -> Any:
-            return run_plan(plan, list(m), t)
-
-    peak = measure_peak(model, x, forward, dev)
-    seconds = statistics.median(
-        timed(lambda: training_step(model, x, forward), dev)[1] for _ in range(repeats)
-    )
-    return StepMeasurement(peak, seconds)
+    return measure_steps(model, x, [segments], device, repeats)[0]
 
 
 @dataclass(frozen=True)
@@ -173,14 +220,16 @@ def frontier(
     feasible peak to the keep-everything peak (with the profile's policies, and
     without any when it has some), every uniform segment count with seqckpt and
     with ``torch.utils.checkpoint.checkpoint_sequential``, and torch's
-    checkpoint of every block, plain and under its selective checkpointing."""
+    checkpoint of every block, plain and under its selective checkpointing.
+    All are timed side by side (:func:`measure_steps`)."""
     from seqckpt.planner.planning import with_policies
 
     model_costs = CostModel.of(profile)
     n = len(model_costs)
     floor, _ = least_memory(model_costs)
     top, _ = model_costs.total((Run(0, n),))
-    out = []
+    # (kind, label, schedule, predicted peak, predicted time)
+    chosen: list[tuple[str, str, int | Plan | Forward, int | None, float | None]] = []
     kinds = [("planned", profile)]
     if profile.policies:
         kinds = [
@@ -191,44 +240,22 @@ def frontier(
         for i in range(points):
             budget = int(floor + (top - floor) * i / max(1, points - 1))
             plan = fastest_plan(chosen_profile, budget)
-            if progress:
-                progress(f"{kind} {format_bytes(budget)}")
-            out.append(
-                FrontierPoint(
-                    kind,
-                    format_bytes(budget),
-                    measure_step(model, x, plan, device, repeats),
-                    plan.predicted_peak_bytes,
-                    plan.predicted_time,
-                )
+            label = format_bytes(budget)
+            chosen.append(
+                (kind, label, plan, plan.predicted_peak_bytes, plan.predicted_time)
             )
-    for label, forward in (
-        ("every block", torch_every_block),
-        ("every block SAC", torch_sac_every_block),
-    ):
-        if progress:
-            progress(f"torch {label}")
-        out.append(
-            FrontierPoint(
-                "torch " + label, "-", measure_step(model, x, forward, device, repeats)
-            )
-        )
+    chosen.append(("torch every block", "-", torch_every_block, None, None))
+    chosen.append(("torch every block SAC", "-", torch_sac_every_block, None, None))
     for k in range(1, n + 1):
-        if progress:
-            progress(f"uniform {k}")
-        out.append(
-            FrontierPoint(
-                "seqckpt uniform", f"{k}", measure_step(model, x, k, device, repeats)
-            )
-        )
-        out.append(
-            FrontierPoint(
-                "torch uniform",
-                f"{k}",
-                measure_step(model, x, torch_uniform(k), device, repeats),
-            )
-        )
-    return out
+        chosen.append(("seqckpt uniform", f"{k}", k, None, None))
+        chosen.append(("torch uniform", f"{k}", torch_uniform(k), None, None))
+    measured = measure_steps(
+        model, x, [c[2] for c in chosen], device, repeats, progress
+    )
+    return [
+        FrontierPoint(kind, label, m, peak, time)
+        for (kind, label, _, peak, time), m in zip(chosen, measured, strict=True)
+    ]
 
 
 def format_frontier(points: list[FrontierPoint]) -> str:
