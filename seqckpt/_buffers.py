@@ -127,7 +127,7 @@ def modules_of(function: object) -> list[nn.Module]:
 # How far (objects away from the callable) and how many objects the module
 # walk looks: bounded, because it runs at every call of a region.
 _WALK_DEPTH = 4
-_WALK_BUDGET = 1000
+_WALK_BUDGET = 256
 
 
 def _held_by(obj: object) -> Iterator[object]:
