@@ -35,7 +35,7 @@ def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold ``t``'s data: ``t`` itself, or for a wrapper
     subclass such as DTensor (which has no memory of its own) its inner
     tensors, recursively."""
-    if not is_traceable_wrapper_subclass(t):
+    if type(t) is torch.Tensor or not is_traceable_wrapper_subclass(t):
         return [t]
     attrs, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
     inner = [getattr(t, a) for a in attrs]  # DTensor also lists its device mesh
