@@ -683,6 +683,7 @@ class _Region:
         "keep_later",
         "name",
         "modes",
+        "unfilled",
         "__weakref__",
     )
 
@@ -751,6 +752,9 @@ class _Region:
         self.guard = (
             BufferGuard.of(modules, conservative) if modules or conservative else None
         )
+        # Fingerprints of tensors saved before their op fills them would read
+        # unfilled memory: such tensors go unfingerprinted ("values" only).
+        self.unfilled = conservative and self._saves_unfilled()
 
     # ------------------------------------------------------------------ forward
 
@@ -843,8 +847,26 @@ class _Region:
         else:
             self.metas.append((t.shape, t.dtype, t.device))
             if check == "values":
-                self.prints.append(_state.unseen(_fingerprint, t))
+                self.prints.append(
+                    None
+                    if self.unfilled and not t.requires_grad
+                    else _state.unseen(_fingerprint, t)
+                )
         return index
+
+    def _saves_unfilled(self) -> bool:
+        """Whether the region runs an op that saves a tensor for backward before
+        its kernel writes into it: ``nn.RReLU`` in training mode
+        (``rrelu_with_noise`` saves its noise tensor so, without moving its
+        version counter). A recompute stopped at that save would keep the
+        tensor unfilled (wrong gradients, no error; torch's checkpoint as
+        well), so such a region's recompute runs to its end. Read off the
+        modules the region visibly runs (a functional ``F.rrelu`` is not seen)."""
+        modes = self.modes
+        return modes is not None and any(
+            flag and isinstance(m, nn.RReLU)
+            for m, flag in zip(*modes)  # noqa: B905
+        )
 
     # ----------------------------------------------------------------- backward
 
@@ -911,10 +933,14 @@ class _Region:
         # Stop as soon as the last tensor the forward saved is back: what runs
         # after it (the region's last op when it saves only its inputs, a
         # trailing nested region) would be thrown away. "values" and
-        # early_stop=False run to the end so that the count is checked exactly.
-        # A recompute asked for while the forward still runs (a backward inside
+        # early_stop=False run to the end so that the count is checked exactly,
+        # and so does a region whose op saves a tensor before filling it
+        # (_saves_unfilled). A recompute asked for while the forward still runs (a backward inside
         # the function) always stops where the forward is now.
-        run_to_end = not self.in_forward and (fingerprint or not options.early_stop)
+        run_to_end = not self.in_forward and (
+            fingerprint or not options.early_stop or self._saves_unfilled()
+        )
+        unfilled = self.unfilled
         wanted = -1 if run_to_end else len(self.metas)
         stopped = False
         input_ids = self.input_ids
@@ -934,7 +960,11 @@ class _Region:
             # region's inputs alive from second-order gradients on.
             collected.append(detached if t.requires_grad else t)
             if fingerprint:  # now: a saved buffer may change after the recompute
-                prints.append(_state.unseen(_fingerprint, detached))
+                prints.append(
+                    None
+                    if unfilled and not t.requires_grad
+                    else _state.unseen(_fingerprint, detached)
+                )
             if len(collected) == wanted:
                 stopped = True
                 raise _StopRecompute

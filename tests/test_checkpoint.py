@@ -316,6 +316,34 @@ def test_dropout_and_caller_rng() -> None:
     assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
 
 
+@pytest.mark.parametrize("check", ["default", "values"])
+@pytest.mark.parametrize("where", ["region", "segment"])
+def test_rrelu_ending_a_region(check: str, where: str) -> None:
+    # rrelu_with_noise saves its noise tensor before its kernel fills it, so a
+    # recompute stopped at that save kept an unfilled tensor: silently wrong
+    # gradients (torch's checkpoint too, pytorch#193671), and "values"
+    # fingerprinted the unfilled memory in both runs (a false CheckpointError).
+    model = nn.Sequential(nn.Linear(64, 64), nn.RReLU(0.1, 0.9))
+
+    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if where == "region":
+            y = checkpoint(m, x, determinism_check=check)
+        else:
+            stack = nn.Sequential(*m, nn.Linear(64, 64))  # RReLU ends segment 1
+            y = seqckpt.checkpoint_sequential(stack, [2, 1], x, determinism_check=check)
+        # memory the recompute's empty noise tensor is likely to reuse
+        junk = [torch.full((32, 64), 1e6) for _ in range(16)]
+        del junk
+        return y
+
+    def plain(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x) if where == "region" else nn.Sequential(*m, nn.Linear(64, 64))(x)
+
+    x = torch.randn(32, 64, requires_grad=True)
+    torch.manual_seed(0)  # the extra Linear of the segment case: same weights
+    assert_matches_plain(model, x, run, plain=plain)
+
+
 def test_without_preserve_rng_state_dropout_differs() -> None:
     """Shows the flag matters: without it, the recompute draws another mask."""
     model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64))
