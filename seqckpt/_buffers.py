@@ -52,6 +52,7 @@ import threading
 import types
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -148,14 +149,24 @@ def _held_by(obj: object) -> Iterator[object]:
             except ValueError:  # an empty cell
                 continue
         yield getattr(obj, "__wrapped__", None)
-    elif hasattr(obj, "__dict__") and not isinstance(
-        obj, (type, types.ModuleType, torch.Tensor)
-    ):
+    elif isinstance(obj, (type, types.ModuleType, torch.Tensor)):
+        return
+    elif (attributes := _plain_attribute(obj, "__dict__")) is not None:
         # an object's attributes: a callable object's, or a training script's
         # own class a lambda closes over (``lambda h: self.model(h)``)
-        yield from vars(obj).values()
+        yield from attributes.values()
     else:
-        yield getattr(obj, "__self__", None)  # a bound builtin method
+        yield _plain_attribute(obj, "__self__")  # a bound builtin method
+
+
+def _plain_attribute(obj: object, name: str) -> Any:
+    """``obj.name`` as plain lookup finds it, or None: a class's own
+    ``__getattr__`` or ``__getattribute__`` (a proxy's) is not run, as it may
+    raise anything or have effects."""
+    try:
+        return object.__getattribute__(obj, name)
+    except AttributeError:
+        return None
 
 
 @contextmanager

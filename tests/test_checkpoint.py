@@ -924,6 +924,43 @@ def test_the_module_walk_is_bounded_and_finds_the_nearest_modules(
     assert 0 < len(looked) <= _buffers._WALK_BUDGET  # one region call
 
 
+class RaisingLookup:
+    """An object whose failed attribute lookups raise something else than
+    AttributeError (a proxy's, a config's)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"no attribute {name}")
+
+
+class GuardedProxy:
+    """An object whose ``__getattribute__`` refuses ``__dict__``."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__dict__":
+            raise KeyError(name)
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("holder", [RaisingLookup, GuardedProxy])
+def test_the_module_walk_runs_no_attribute_hooks_of_the_objects_it_meets(
+    holder: Any,
+) -> None:
+    # The walk reads attributes as plain lookup finds them: a class's own
+    # __getattr__ / __getattribute__ is not run (they raised out of checkpoint).
+    def call(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        held = holder(m)
+        return checkpoint(lambda h: run_all(held.block, h), x)
+
+    x = torch.randn(6, 4, requires_grad=True)
+    assert_matches_plain(bn_blocks(), x, call, plain=run_all)
+
+
 GLOBAL_BN = nn.BatchNorm1d(4)
 
 
