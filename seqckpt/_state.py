@@ -461,7 +461,7 @@ _GETTERS: dict[bool, list[Callable[[], Any]]] = {
 AmbientUndo = tuple[
     ExitStack | None,
     list[tuple[Switch, Any]],
-    tuple[int, dict[Any, Any]] | None,
+    tuple[int, dict[Any, Any]],
 ]
 
 
@@ -486,16 +486,15 @@ class Ambient:
     def switches(self) -> list[Switch]:
         return CPU_SWITCHES if self.types == ("cpu",) else ALL_SWITCHES
 
-    def replay(self) -> AmbientUndo | None:
-        """Make the current state equal to what was captured; None when it
-        already is (the common case), else what :meth:`undo` needs."""
+    def replay(self) -> AmbientUndo:
+        """Make the current state equal to what was captured; returns what
+        :meth:`undo` needs."""
         types = self.types
         now = list(map(_call, _GETTERS[types == ("cpu",)]))
         autocast = _autocast(types)
         then = self.values
         if now == then and autocast == self.autocast:
-            cache = self._replay_cache()
-            return None if cache is None else (None, [], cache)
+            return None, [], self._replay_cache()
         stack = None
         if autocast != self.autocast:
             stack = ExitStack()
@@ -524,26 +523,25 @@ class Ambient:
                 changed.append((switch, current))
         return stack, changed, self._replay_cache()
 
-    def _replay_cache(self) -> tuple[int, dict[Any, Any]] | None:
+    def _replay_cache(self) -> tuple[int, dict[Any, Any]]:
         """parametrize's cache as the first run found it; returns the
-        caller's, or None where the cache was off then and is off now."""
-        if self.cached is None and not _parametrize._cache_enabled:
-            return None
+        caller's, which :meth:`undo` puts back even where the cache was off
+        then and is off now: a recompute that stops early skips the forward
+        hooks of the modules it stops in, so a pre-hook that turns the cache
+        on (bitsandbytes' parametrizations do) would leave it on, and filled,
+        for good."""
         caller = (_parametrize._cache_enabled, _parametrize._cache)
         _parametrize._cache_enabled = int(self.cached is not None)
         _parametrize._cache = dict(self.cached or {})
         return caller
 
     @staticmethod
-    def undo(token: AmbientUndo | None) -> None:
+    def undo(token: AmbientUndo) -> None:
         """Give the caller back the state :meth:`replay` changed."""
-        if token is None:
-            return
         stack, changed, cache = token
         for (get, put), value in changed:  # in order, as replay set them
             if get() != value:
                 put(value)
         if stack is not None:
             stack.close()
-        if cache is not None:
-            _parametrize._cache_enabled, _parametrize._cache = cache
+        _parametrize._cache_enabled, _parametrize._cache = cache

@@ -1146,6 +1146,46 @@ def test_parametrization_cache_is_replayed(cached_in: str) -> None:
     assert parametrize._cache_enabled == 0 and not parametrize._cache
 
 
+def test_a_cache_switch_in_forward_hooks_survives_the_early_stop() -> None:
+    # bitsandbytes turns parametrize's cache on in a module's forward pre-hook
+    # and off in its forward hook. A recompute that stops early inside that
+    # module never runs the forward hook (torch's checkpoint leaves the cache
+    # on for good, so later steps use stale weights); the region gives the
+    # caller back the cache as it was.
+    from torch.nn.utils import parametrizations, parametrize
+
+    def cache_on(module: nn.Module, args: object) -> None:
+        parametrize._cache_enabled += 1
+
+    def cache_off(module: nn.Module, args: object, output: object) -> None:
+        parametrize._cache_enabled -= 1
+        if not parametrize._cache_enabled:
+            parametrize._cache = {}
+
+    def train(use: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        tail = parametrizations.orthogonal(nn.Linear(6, 6))
+        tail.register_forward_pre_hook(cache_on)
+        tail.register_forward_hook(cache_off)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), tail)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        x = torch.randn(3, 6, requires_grad=True)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            y = checkpoint(model, x) if use else model(x)
+            y.square().sum().backward()
+            assert parametrize._cache_enabled == 0 and not parametrize._cache
+            out += [y.detach(), *(p.grad for p in model.parameters())]
+            opt.step()
+        return out
+
+    assert all(
+        torch.equal(a, b)  # type: ignore[arg-type]
+        for a, b in zip(train(True), train(False), strict=True)
+    )
+
+
 # ------------------------------------------------------------ backend switches
 
 
