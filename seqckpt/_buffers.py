@@ -59,7 +59,7 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from seqckpt._state import unseen
+from seqckpt._state import generators_held, unseen
 
 __all__ = [
     "BufferGuard",
@@ -70,6 +70,7 @@ __all__ = [
 ]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
+_GENERATOR = torch.Generator
 
 
 def _quantizer_types() -> tuple[type, ...]:
@@ -84,8 +85,12 @@ def _quantizer_types() -> tuple[type, ...]:
 _QUANTIZERS = _quantizer_types()
 
 
-def modules_of(function: object) -> list[nn.Module]:
-    """The modules a callable visibly runs (see the module docstring).
+def modules_of(
+    function: object, generators: list[torch.Generator] | None = None
+) -> list[nn.Module]:
+    """The modules a callable visibly runs (see the module docstring); the
+    ``torch.Generator`` objects the walk meets on the way (a closure over
+    one) are added to ``generators`` where it is given.
 
     Example:
         >>> from torch import nn
@@ -112,6 +117,9 @@ def modules_of(function: object) -> list[nn.Module]:
         for obj in level:
             if isinstance(obj, nn.Module):
                 found.setdefault(id(obj), obj)
+            elif type(obj) is _GENERATOR:
+                if generators is not None:
+                    generators_held((obj,), generators)
             elif (
                 depth < _WALK_DEPTH
                 and budget > len(below)
@@ -204,13 +212,20 @@ def _stand_in(p: torch.Tensor | None) -> bool:
     return p is not None and not is_parameter(p)
 
 
+# Whether a module class may hold a generator of its own: torch.nn's modules
+# (Linear, Sequential, ...) never do, so their attributes are not looked at.
+_CUSTOM: dict[type, bool] = {}
+
+
 def survey(
-    modules: Iterable[nn.Module],
+    modules: Iterable[nn.Module], generators: list[torch.Generator]
 ) -> tuple[nn.Module | None, bool, list[nn.Module]]:
     """One walk over ``modules`` and their submodules: (a lazy module
     (``nn.LazyLinear`` and the like) whose parameters are not initialized yet,
     or None; whether any holds a buffer or a stand-in for a parameter; every
-    module walked, a shared one as often as it is reached)."""
+    module walked, a shared one as often as it is reached). The
+    ``torch.Generator`` objects the modules hold as attributes are added to
+    ``generators``."""
     lazy: nn.Module | None = None
     state = False
     walked: list[nn.Module] = []
@@ -220,6 +235,12 @@ def survey(
         if m is None:  # a submodule slot set to None after construction
             continue
         walked.append(m)
+        kind = type(m)
+        custom = _CUSTOM.get(kind)
+        if custom is None:
+            custom = _CUSTOM[kind] = not kind.__module__.startswith("torch.nn.modules.")
+        if custom and _GENERATOR in set(map(type, attributes := m.__dict__.values())):
+            generators_held(attributes, generators)
         if not state:
             state = bool(m._buffers) or any(map(_stand_in, m._parameters.values()))
         if (

@@ -195,26 +195,33 @@ def cuda_generators() -> tuple[torch.Generator, ...]:
 class RngState:
     """The CPU generator's state; (seed, offset) of every CUDA device's
     generator, which is all of a Philox generator's state and cheap to read;
-    and the state of other accelerators the region's inputs are on."""
+    the state of other accelerators the region's inputs are on; and the state
+    of the region's own generators (``torch.Generator`` objects a module holds
+    or the function is given, see :func:`generators_held`)."""
 
-    __slots__ = ("cpu", "cuda", "devices")
+    __slots__ = ("cpu", "cuda", "devices", "own")
 
     def __init__(
         self,
         cpu: torch.Tensor,
         cuda: tuple[tuple[torch.Generator, int, int], ...],
         devices: tuple[tuple[torch.device, torch.Tensor], ...],
+        own: tuple[tuple[torch.Generator, torch.Tensor], ...] = (),
     ) -> None:
         self.cpu = cpu
         self.cuda = cuda
         self.devices = devices
+        self.own = own
 
     @staticmethod
-    def capture(devices: tuple[torch.device, ...]) -> RngState:
+    def capture(
+        devices: tuple[torch.device, ...], own: Iterable[torch.Generator] = ()
+    ) -> RngState:
         cpu = _CPU_GENERATOR.get_state()
+        owned = tuple((g, g.get_state()) for g in own) if own else ()
         generators = cuda_generators()
         if not devices and not generators:  # the CPU alone: no loops
-            return RngState(cpu, (), ())
+            return RngState(cpu, (), (), owned)
         others = tuple(d for d in devices if d.type != "cuda")
         return RngState(
             cpu,
@@ -222,6 +229,7 @@ class RngState:
             tuple(
                 (d, torch.get_device_module(d.type).get_rng_state(d)) for d in others
             ),
+            owned,
         )
 
     def restore(self) -> None:
@@ -232,10 +240,28 @@ class RngState:
                 generator.set_offset(offset)
         for d, state in self.devices:
             torch.get_device_module(d.type).set_rng_state(state, d)
+        for g, state in self.own:
+            g.set_state(state)
 
     def current(self) -> RngState:
-        """The caller's state now, on the same devices as this one."""
-        return RngState.capture(tuple([d for d, _ in self.devices]))
+        """The caller's state now, on the same devices and generators."""
+        return RngState.capture(
+            tuple([d for d, _ in self.devices]), [g for g, _ in self.own]
+        )
+
+
+_GENERATOR = torch.Generator
+
+
+def generators_held(objects: Iterable[object], into: list[torch.Generator]) -> None:
+    """Add to ``into`` each ``torch.Generator`` among ``objects`` that is not
+    the CPU's default one (which :class:`RngState` replays anyway) and is not
+    in ``into`` yet: a module that draws noise with ``generator=self.gen``
+    advances its own generator, which a recompute must replay as it replays
+    the default ones."""
+    for g in objects:
+        if type(g) is _GENERATOR and g is not _CPU_GENERATOR and g not in into:
+            into.append(g)
 
 
 # ----------------------------------------------------------------------- streams

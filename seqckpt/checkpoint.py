@@ -398,6 +398,7 @@ def run_region(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     why = None
+    generators: list[torch.Generator] = []
     if not _hooks_enabled():
         why = (
             "here: saved-tensor hooks are switched off (torch.func.grad, vjp, "
@@ -418,8 +419,11 @@ def run_region(
             "transform."
         )
     else:
-        runs = modules_of(function) if modules is None else list(modules)
-        lazy, stateful, walked = survey(runs)
+        runs = modules_of(function, generators) if modules is None else list(modules)
+        lazy, stateful, walked = survey(runs, generators)
+        _state.generators_held(args, generators)  # given: f(x, generator=g)
+        if kwargs:
+            _state.generators_held(kwargs.values(), generators)
         if not stateful:
             runs = []  # nothing for a buffer guard to hold
         if lazy is not None:
@@ -435,7 +439,9 @@ def run_region(
         )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
-    result: T = _Region(function, args, kwargs, options, runs, name, walked).run()
+    result: T = _Region(
+        function, args, kwargs, options, runs, name, walked, generators
+    ).run()
     return result
 
 
@@ -696,6 +702,7 @@ class _Region:
         modules: list[nn.Module] | None,
         name: str | None = None,
         walked: list[nn.Module] | None = None,
+        generators: list[torch.Generator] | None = None,
     ) -> None:
         self.function = function
         # The training flag of every module the region visibly runs: a
@@ -727,7 +734,9 @@ class _Region:
             tensors_in(kwargs, inputs)
         devices = _state.accelerator_devices(inputs)
         self.rng = (
-            _state.RngState.capture(devices) if options.preserve_rng_state else None
+            _state.RngState.capture(devices, generators or ())
+            if options.preserve_rng_state
+            else None
         )
         self.ambient = _state.Ambient(devices)
         self.streams = _state.cuda_streams(devices) if devices else None
@@ -1098,10 +1107,11 @@ class _Region:
             f"({_describe(self.metas[bad])}) has other values in the "
             "recompute than in forward (fingerprints "
             f"{before.tolist()} vs {after.tolist()}). Something "
-            "nondeterministic runs inside: RNG outside torch or a "
-            "torch.Generator of your own (only the default generators are "
-            "replayed), nondeterministic kernels, or state changed between the "
-            "runs." + debug
+            "nondeterministic runs inside: RNG outside torch, a "
+            "torch.Generator of your own that the region reaches through a "
+            "global (the default generators and those its modules hold, it is "
+            "given or closes over are replayed), nondeterministic kernels, or "
+            "state changed between the runs." + debug
         )
 
 

@@ -345,6 +345,72 @@ def test_rrelu_ending_a_region(check: str, where: str) -> None:
     assert_matches_plain(model, x, run, plain=plain)
 
 
+class OwnNoise(nn.Module):
+    """Multiplicative noise drawn from a generator of its own (the default
+    generator stays untouched), as a model with reproducible noise has."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.gen = torch.Generator().manual_seed(7)
+
+    def forward(
+        self, x: torch.Tensor, gen: torch.Generator | None = None
+    ) -> torch.Tensor:
+        h = self.linear(x)
+        noise = torch.rand(h.shape, generator=gen or self.gen)
+        return (h * noise).tanh()
+
+
+Call = Callable[[nn.Sequential, torch.Generator, torch.Tensor], torch.Tensor]
+# How the generator is reached: (checkpointed call, plain call) of the chain
+# OwnNoise, Linear, OwnNoise; ``gen`` is a generator the caller holds.
+GENERATOR_CALLS: dict[str, tuple[Call, Call]] = {
+    "attribute": (lambda m, g, x: checkpoint(m, x), lambda m, g, x: m(x)),
+    "segments": (
+        lambda m, g, x: seqckpt.checkpoint_sequential(m, 2, x),
+        lambda m, g, x: m(x),
+    ),
+    "closure": (
+        lambda m, g, x: m[2](m[1](checkpoint(lambda h: m[0](h, g), x))),
+        lambda m, g, x: m[2](m[1](m[0](x, g))),
+    ),
+    "argument": (
+        lambda m, g, x: m[2](m[1](checkpoint(m[0], x, g))),
+        lambda m, g, x: m[2](m[1](m[0](x, g))),
+    ),
+    "keyword": (
+        lambda m, g, x: m[2](m[1](checkpoint(m[0], x, gen=g))),
+        lambda m, g, x: m[2](m[1](m[0](x, g))),
+    ),
+}
+
+
+@pytest.mark.parametrize("reached", list(GENERATOR_CALLS))
+def test_a_generator_of_its_own_is_replayed(reached: str) -> None:
+    # Noise drawn from a torch.Generator of the model's own: the recompute must
+    # draw what the forward drew (torch's checkpoint draws the next numbers:
+    # silently wrong gradients) and leave the generator where the plain run
+    # leaves it. Two steps, so a generator advanced twice would show.
+    def train(call: Call) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(OwnNoise(8), nn.Linear(8, 8), OwnNoise(8))
+        gen = torch.Generator().manual_seed(11)
+        x = torch.randn(4, 8, requires_grad=True)
+        out: list[torch.Tensor] = []
+        for _ in range(2):
+            y = call(model, gen, x)
+            y.square().sum().backward()
+            out += [y.detach(), *(t.grad for t in (x, *model.parameters()))]
+            x.grad = None
+            model.zero_grad()
+        return [*out, *(g.get_state() for g in (gen, model[0].gen, model[2].gen))]
+
+    checkpointed, plain = GENERATOR_CALLS[reached]
+    for i, (a, b) in enumerate(zip(train(checkpointed), train(plain), strict=True)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+
+
 def test_without_preserve_rng_state_dropout_differs() -> None:
     """Shows the flag matters: without it, the recompute draws another mask."""
     model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64))
@@ -440,14 +506,17 @@ def test_values_check_catches_value_drift() -> None:
         y.sum().backward()
 
 
+GLOBAL_GENERATOR = torch.Generator().manual_seed(3)
+
+
 def test_values_check_names_a_generator_of_your_own() -> None:
-    # Only each device's default generator is replayed (as in torch); one of the
-    # user's own has moved on by the recompute, which draws other numbers.
-    own = torch.Generator().manual_seed(3)
+    # A generator of the user's own that the region reaches through a global is
+    # not seen, so not replayed (as in torch): it has moved on by the
+    # recompute, which draws other numbers.
     x = torch.randn(4, 4, requires_grad=True)
 
     def noisy(x: torch.Tensor) -> torch.Tensor:
-        return (x * torch.rand(4, 4, generator=own)).exp()
+        return (x * torch.rand(4, 4, generator=GLOBAL_GENERATOR)).exp()
 
     y = checkpoint(noisy, x, determinism_check="values")
     with pytest.raises(CheckpointError, match="torch.Generator of your own"):

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 
 from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
-from seqckpt._state import RngState, accelerator_devices
+from seqckpt._state import RngState, accelerator_devices, generators_held
 from seqckpt._tree import replace_tensors, storages_in, tensors_in
 from seqckpt.checkpoint import Options, _Region
 from seqckpt.memory import MemoryStats, Stopwatch, track_memory
@@ -233,7 +233,8 @@ def _device(obj: Any, chain: Sequence[Callable[..., Any]]) -> torch.device:
 class _Sandbox:
     """What profiling changes, recorded as modules are first called (however the
     chain reaches them) and put back at the end: buffers (e.g. BatchNorm
-    statistics), ``.grad`` s and training flags. Parameters are not written by a
+    statistics), ``.grad`` s, training flags and the state of the
+    ``torch.Generator`` objects modules hold. Parameters are not written by a
     forward and backward, so they are left alone. Inside, parameter gradients
     are zero tensors (as in a training loop that keeps them allocated)."""
 
@@ -243,6 +244,8 @@ class _Sandbox:
         self.grads: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self.flags: list[tuple[nn.Module, bool]] = []
         self.params: set[int] = set()
+        self.generators: list[torch.Generator] = []
+        self.rng: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def seen(self, module: nn.Module) -> None:
         for sub in module.modules():
@@ -250,6 +253,9 @@ class _Sandbox:
                 continue
             self.visited.add(id(sub))
             self.flags.append((sub, sub.training))
+            known = len(self.generators)
+            generators_held(sub.__dict__.values(), self.generators)
+            self.rng += [(g, g.get_state()) for g in self.generators[known:]]
             for b in sub.buffers(recurse=False):
                 self.buffers.append((b, b.detach().clone()))
             for p in sub.parameters(recurse=False):
@@ -267,6 +273,8 @@ class _Sandbox:
             p.grad = grad
         for sub, flag in self.flags:
             sub.training = flag
+        for g, state in self.rng:
+            g.set_state(state)
 
 
 @contextmanager
