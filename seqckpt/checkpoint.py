@@ -388,17 +388,20 @@ def run_region(
     options: Options,
     modules: Iterable[nn.Module] | None = None,
     name: str | None = None,
+    generators: Iterable[torch.Generator] = (),
 ) -> T:
     """:func:`checkpoint` for callers that already checked the function and
     built the options; ``modules``: the modules ``function`` runs, when the
     caller knows them (the plan executor), else they are read off ``function``;
-    ``name``: what errors call it (else :func:`_name` of ``function``)."""
+    ``name``: what errors call it (else :func:`_name` of ``function``);
+    ``generators``: ``torch.Generator`` objects the caller found on the way to
+    ``modules`` (a plain callable's closure), replayed with those found here."""
     if torch.compiler.is_compiling():
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     why = None
-    generators: list[torch.Generator] = []
+    found = list(generators)
     if not _hooks_enabled():
         why = (
             "here: saved-tensor hooks are switched off (torch.func.grad, vjp, "
@@ -419,11 +422,11 @@ def run_region(
             "transform."
         )
     else:
-        runs = modules_of(function, generators) if modules is None else list(modules)
-        lazy, stateful, walked = survey(runs, generators)
-        _state.generators_held(args, generators)  # given: f(x, generator=g)
+        runs = modules_of(function, found) if modules is None else list(modules)
+        lazy, stateful, walked = survey(runs, found)
+        _state.generators_held(args, found)  # given: f(x, generator=g)
         if kwargs:
-            _state.generators_held(kwargs.values(), generators)
+            _state.generators_held(kwargs.values(), found)
         if not stateful:
             runs = []  # nothing for a buffer guard to hold
         if lazy is not None:
@@ -440,7 +443,7 @@ def run_region(
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
     result: T = _Region(
-        function, args, kwargs, options, runs, name, walked, generators
+        function, args, kwargs, options, runs, name, walked, found
     ).run()
     return result
 

@@ -106,11 +106,12 @@ def run_plan(
                 inner_options = dataclasses.replace(options, policy=item.policy)
             region = functools.partial(run_plan, item.inner, modules, options=options)
             # (compiled code hands regions to torch, which needs no walk)
+            generators: list[torch.Generator] = []
             runs = (
                 None
                 if torch.compiler.is_compiling()
-                else modules_of(tuple(modules[item.start : item.stop]))
+                else modules_of(tuple(modules[item.start : item.stop]), generators)
             )
             name = f"layers {item.start}-{item.stop - 1}"  # what errors call it
-            x = run_region(region, (x,), {}, inner_options, runs, name)
+            x = run_region(region, (x,), {}, inner_options, runs, name, generators)
     return x

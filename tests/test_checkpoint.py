@@ -375,6 +375,12 @@ GENERATOR_CALLS: dict[str, tuple[Call, Call]] = {
         lambda m, g, x: m[2](m[1](checkpoint(lambda h: m[0](h, g), x))),
         lambda m, g, x: m[2](m[1](m[0](x, g))),
     ),
+    "chain_closure": (  # a chain item that is a plain callable
+        lambda m, g, x: seqckpt.checkpoint_sequential(
+            [lambda h: m[0](h, g), m[1], m[2]], 2, x
+        ),
+        lambda m, g, x: m[2](m[1](m[0](x, g))),
+    ),
     "argument": (
         lambda m, g, x: m[2](m[1](checkpoint(m[0], x, g))),
         lambda m, g, x: m[2](m[1](m[0](x, g))),
