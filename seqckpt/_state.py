@@ -483,11 +483,12 @@ _GETTERS: dict[bool, list[Callable[[], Any]]] = {
 
 
 # What Ambient.undo needs: the contexts entered, the switches set with their
-# values before, and parametrize's cache switch and cache before (or None)
+# values before, and parametrize's cache switch and cache before (None where
+# the cache was off then and is off now)
 AmbientUndo = tuple[
     ExitStack | None,
     list[tuple[Switch, Any]],
-    tuple[int, dict[Any, Any]],
+    tuple[int, dict[Any, Any]] | None,
 ]
 
 
@@ -549,13 +550,12 @@ class Ambient:
                 changed.append((switch, current))
         return stack, changed, self._replay_cache()
 
-    def _replay_cache(self) -> tuple[int, dict[Any, Any]]:
+    def _replay_cache(self) -> tuple[int, dict[Any, Any]] | None:
         """parametrize's cache as the first run found it; returns the
-        caller's, which :meth:`undo` puts back even where the cache was off
-        then and is off now: a recompute that stops early skips the forward
-        hooks of the modules it stops in, so a pre-hook that turns the cache
-        on (bitsandbytes' parametrizations do) would leave it on, and filled,
-        for good."""
+        caller's, or None where the cache was off then and is off now (the
+        common case: nothing is written)."""
+        if self.cached is None and not _parametrize._cache_enabled:
+            return None
         caller = (_parametrize._cache_enabled, _parametrize._cache)
         _parametrize._cache_enabled = int(self.cached is not None)
         _parametrize._cache = dict(self.cached or {})
@@ -570,4 +570,11 @@ class Ambient:
                 put(value)
         if stack is not None:
             stack.close()
-        _parametrize._cache_enabled, _parametrize._cache = cache
+        if cache is not None:
+            _parametrize._cache_enabled, _parametrize._cache = cache
+        elif _parametrize._cache_enabled:
+            # Off before the recompute, on after it: a recompute that stops
+            # early skips the forward hooks of the modules it stops in, so a
+            # pre-hook that turns the cache on (bitsandbytes' parametrizations
+            # do) would leave it on, and filled, for good.
+            _parametrize._cache_enabled, _parametrize._cache = 0, {}
