@@ -17,7 +17,11 @@ and save it to JSON:
   a kept name is an op of the graph that torch's selective checkpointing saves;
 - a callable ``policy(op, *args, **kwargs) -> bool`` (True: keep this op's
   output); works in eager mode and under ``torch.compile``, but a plan holding
-  one cannot be written to JSON.
+  one cannot be written to JSON. A policy written for torch's selective
+  checkpointing, ``policy(ctx, op, *args, **kwargs)`` returning a
+  ``CheckpointPolicy``, works too: its first parameter named ``ctx`` tells it
+  apart; ``MUST_SAVE`` / ``PREFER_SAVE`` keep, the ``*_RECOMPUTE`` answers do
+  not, and ``*_CPU_OFFLOAD`` keeps the output where it is.
 
 Example:
     >>> import torch, seqckpt
@@ -33,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -178,7 +183,52 @@ def _keeps(
             return True
     if names and func is _NAME_OP and args[1] in names:
         return True  # a name in a compiled graph (see name())
-    return keep is not None and bool(keep(func, *args, **kwargs))
+    if keep is None:
+        return False
+    decision = keep(func, *args, **kwargs)
+    if decision is True or decision is False:
+        return decision
+    return _kept_by(decision)
+
+
+def _kept_by(decision: object) -> bool:
+    """A callable policy's answer as a bool. torch's ``CheckpointPolicy``
+    values (the answers of a policy written for torch's selective
+    checkpointing) count by their meaning, not their truth (every enum member
+    is true): ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE`` do not keep, the
+    others keep (``*_CPU_OFFLOAD``: kept where the output is, not offloaded)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if isinstance(decision, CheckpointPolicy):
+        return decision not in (
+            CheckpointPolicy.MUST_RECOMPUTE,
+            CheckpointPolicy.PREFER_RECOMPUTE,
+        )
+    return bool(decision)
+
+
+def _takes_ctx(policy: Callable[..., Any]) -> bool:
+    """Whether ``policy`` is written for torch's selective checkpointing:
+    ``policy(ctx, op, *args, **kwargs)``, its first parameter named ``ctx``."""
+    try:
+        first = next(iter(inspect.signature(policy).parameters.values()), None)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return first is not None and first.name == "ctx"
+
+
+def _without_ctx(policy: Callable[..., Any]) -> Callable[..., Any]:
+    """A torch selective-checkpointing policy as ``keep(op, *args, **kwargs)``:
+    seqckpt asks only in forward, so ``ctx.is_recompute`` is False."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    ctx = SelectiveCheckpointContext(is_recompute=False)
+
+    @functools.wraps(policy)
+    def keep(op: Any, *args: Any, **kwargs: Any) -> Any:
+        return policy(ctx, op, *args, **kwargs)
+
+    return keep
 
 
 def _torch_selective(policy: Policy) -> Callable[[], Any]:
@@ -277,8 +327,9 @@ def as_policy(policy: object) -> Policy | None:
         return ops(*policy)
     if callable(policy):
         label = getattr(policy, "__name__", None)
+        keep = _without_ctx(policy) if _takes_ctx(policy) else policy
         # every field given, as in ops()
-        return Policy(ops=frozenset(), names=frozenset(), label=label, keep=policy)
+        return Policy(ops=frozenset(), names=frozenset(), label=label, keep=keep)
     raise TypeError(
         f"seqckpt: argument 'policy' must be None, 'compute_heavy', a collection "
         f"of aten ops, seqckpt.policies.names(...) or a callable, got {policy!r}."

@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
 
 import seqckpt
 from seqckpt import checkpoint, checkpoint_sequential
@@ -37,12 +38,20 @@ def keeps_gelu(op: Any, *args: Any, **kwargs: Any) -> bool:
     return op is aten.gelu.default
 
 
+def torch_keeps_gelu(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The same choice written for torch's selective checkpointing."""
+    if op is aten.gelu.default and not ctx.is_recompute:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
 POLICIES: dict[str, Any] = {
     "none": None,
     "compute_heavy": "compute_heavy",
     "packets": [aten.addmm],
     "overloads": {aten.addmm.default, aten.gelu.default},
     "callable": keeps_gelu,
+    "torch_callable": torch_keeps_gelu,
     "everything": lambda op, *a, **k: True,
 }
 
@@ -82,6 +91,12 @@ def test_a_kept_op_is_not_run_again() -> None:
     assert none["addmm"] == 2 and "addmm" not in heavy
     assert none["gelu"] == 1 and "gelu" not in gelu
     assert gelu["addmm"] == none["addmm"]
+    # torch's CheckpointPolicy answers count by meaning (every member is true),
+    # also from a policy written for torch's selective checkpointing (ctx first).
+    assert ops_in_backward(torch_keeps_gelu) == gelu
+    assert (
+        ops_in_backward(lambda op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE) == none
+    )
     # The backward's own matmuls are the same in all three.
     assert none["mm"] == heavy["mm"] == gelu["mm"]
 
