@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import SelectiveCheckpointContext
 
 from seqckpt._tree import storages_in
 
@@ -223,18 +224,14 @@ def _takes_ctx(policy: Callable[..., Any]) -> bool:
     return first is not None and first.name == "ctx"
 
 
-def _without_ctx(policy: Callable[..., Any]) -> Callable[..., Any]:
-    """A torch selective-checkpointing policy as ``keep(op, *args, **kwargs)``:
-    seqckpt asks only in forward, so ``ctx.is_recompute`` is False."""
-    from torch.utils.checkpoint import SelectiveCheckpointContext
+# What a torch selective-checkpointing policy is asked with: seqckpt asks only
+# in forward (made here: dynamo refuses to trace its constructor).
+_FORWARD_CTX = SelectiveCheckpointContext(is_recompute=False)
 
-    ctx = SelectiveCheckpointContext(is_recompute=False)
 
-    @functools.wraps(policy)
-    def keep(op: Any, *args: Any, **kwargs: Any) -> Any:
-        return policy(ctx, op, *args, **kwargs)
-
-    return keep
+def _in_forward(policy: Callable[..., Any], op: Any, *args: Any, **kwargs: Any) -> Any:
+    """A torch selective-checkpointing policy asked as ``keep(op, ...)`` is."""
+    return policy(_FORWARD_CTX, op, *args, **kwargs)
 
 
 def _torch_selective(policy: Policy) -> Callable[[], Any]:
@@ -333,7 +330,7 @@ def as_policy(policy: object) -> Policy | None:
         return ops(*policy)
     if callable(policy):
         label = getattr(policy, "__name__", None)
-        keep = _without_ctx(policy) if _takes_ctx(policy) else policy
+        keep = functools.partial(_in_forward, policy) if _takes_ctx(policy) else policy
         # every field given, as in ops()
         return Policy(ops=frozenset(), names=frozenset(), label=label, keep=keep)
     raise TypeError(

@@ -217,7 +217,8 @@ def test_names_and_flags_compile_without_graph_breaks() -> None:
 
 
 def test_policies_made_inside_compiled_code() -> None:
-    """A list of ops or a callable given as policy= inside the compiled function
+    """A list of ops or a callable (also one written for torch's selective
+    checkpointing, ctx first) given as policy= inside the compiled function
     (HF passes partial(seqckpt.checkpoint, policy=...) and the policy is made at
     each call): dynamo takes the selective-checkpointing context as a constant."""
     import seqckpt
@@ -228,8 +229,15 @@ def test_policies_made_inside_compiled_code() -> None:
     def keep_addmm(op: Any, *args: Any, **kwargs: Any) -> bool:
         return op is torch.ops.aten.addmm.default
 
+    def torch_keeps_addmm(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        if op is torch.ops.aten.addmm.default:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
     expected = torch.autograd.grad(model(x).sum(), x)[0]
-    for policy in ([torch.ops.aten.addmm], keep_addmm):
+    for policy in ([torch.ops.aten.addmm], keep_addmm, torch_keeps_addmm):
         torch._dynamo.reset()
         compiled = torch.compile(
             lambda t, p=policy: seqckpt.checkpoint(model, t, policy=p),
