@@ -238,7 +238,8 @@ def survey(
         kind = type(m)
         custom = _CUSTOM.get(kind)
         if custom is None:
-            custom = _CUSTOM[kind] = not kind.__module__.startswith("torch.nn.modules.")
+            where = getattr(kind, "__module__", None) or ""  # (None when made so)
+            custom = _CUSTOM[kind] = not where.startswith("torch.nn.modules.")
         if custom and _GENERATOR in set(map(type, attributes := m.__dict__.values())):
             generators_held(attributes, generators)
         if not state:

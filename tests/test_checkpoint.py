@@ -417,6 +417,15 @@ def test_a_generator_of_its_own_is_replayed(reached: str) -> None:
         assert torch.equal(a, b), f"tensor {i} differs"
 
 
+def test_a_module_class_without_a_module_name() -> None:
+    # A class made with type() whose __module__ was set to None: the check of
+    # which classes may hold a generator must not assume a name.
+    made = type("Made", (OwnNoise,), {})
+    made.__module__ = None  # type: ignore[assignment]
+    torch.manual_seed(0)
+    assert_matches_plain(made(8), torch.randn(4, 8, requires_grad=True), checkpoint)
+
+
 def test_without_preserve_rng_state_dropout_differs() -> None:
     """Shows the flag matters: without it, the recompute draws another mask."""
     model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.Linear(64, 64))
