@@ -115,17 +115,23 @@ class Policy:
         names: names given with :func:`seqckpt.name` whose tensors are kept.
         label: a short name used when the policy is printed (``"compute_heavy"``).
         keep: a user callable ``(op, *args, **kwargs) -> bool``, or None.
+        source: the callable the user gave (``keep`` or what ``keep`` wraps);
+            policies are equal where their sources are the same object, so two
+            different callables are two policies, however they print.
     """
 
     ops: frozenset[str] = frozenset()
     names: frozenset[str] = frozenset()
     label: str | None = None
     keep: Callable[..., bool] | None = field(default=None, compare=False)
+    source: Callable[..., Any] | None = field(default=None, repr=False)
     torch_context_fn: Callable[[], Any] = field(
         init=False, repr=False, compare=False, hash=False
     )
 
     def __post_init__(self) -> None:
+        if self.source is None and self.keep is not None:
+            object.__setattr__(self, "source", self.keep)
         # torch's selective checkpointing for torch.compile, made here, before
         # any tracing: dynamo takes a context_fn only as a constant.
         object.__setattr__(self, "torch_context_fn", _torch_selective(self))
@@ -230,7 +236,8 @@ _FORWARD_CTX = SelectiveCheckpointContext(is_recompute=False)
 
 
 def _in_forward(policy: Callable[..., Any], op: Any, *args: Any, **kwargs: Any) -> Any:
-    """A torch selective-checkpointing policy asked as ``keep(op, ...)`` is."""
+    """A torch selective-checkpointing policy asked as ``keep(op, ...)`` is (a
+    partial of it is what dynamo can take as a constant)."""
     return policy(_FORWARD_CTX, op, *args, **kwargs)
 
 
@@ -332,7 +339,9 @@ def as_policy(policy: object) -> Policy | None:
         label = getattr(policy, "__name__", None)
         keep = functools.partial(_in_forward, policy) if _takes_ctx(policy) else policy
         # every field given, as in ops()
-        return Policy(ops=frozenset(), names=frozenset(), label=label, keep=keep)
+        return Policy(
+            ops=frozenset(), names=frozenset(), label=label, keep=keep, source=policy
+        )
     raise TypeError(
         f"seqckpt: argument 'policy' must be None, 'compute_heavy', a collection "
         f"of aten ops, seqckpt.policies.names(...) or a callable, got {policy!r}."

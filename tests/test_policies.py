@@ -599,3 +599,15 @@ def test_policy_objects() -> None:
     assert "aten::addmm" in COMPUTE_HEAVY.ops
     with pytest.raises(TypeError, match="non-empty strings"):
         names("")
+
+
+def test_two_callables_are_two_policies_however_they_print() -> None:
+    # Two lambdas print alike ("<lambda>"); as equal policies the profile
+    # measured only the first and a plan could not tell them apart.
+    first = as_policy(lambda op, *a, **k: op is aten.addmm.default)
+    second = as_policy(lambda op, *a, **k: op is aten.gelu.default)
+    assert str(first) == str(second) and first != second
+    assert as_policy(keeps_gelu) == as_policy(keeps_gelu)
+    assert as_policy(torch_keeps_gelu) == as_policy(torch_keeps_gelu)
+    measured = seqckpt.profile(mlp(), torch.randn(6, 8), policies=[None, first, second])
+    assert tuple(measured.policies) == (first, second)
