@@ -10,7 +10,8 @@ and save it to JSON:
 - ``"compute_heavy"`` (:data:`COMPUTE_HEAVY`): the matmul family, convolutions
   and fused scaled-dot-product attention;
 - a collection of aten ops (``torch.ops.aten.mm`` or overloads such as
-  ``torch.ops.aten.mm.default``), or :func:`ops`;
+  ``torch.ops.aten.mm.default``, or names such as ``"aten::mm"``), one such op
+  alone, or :func:`ops`;
 - :func:`names`: the tensors marked in user code with :func:`seqckpt.name`, so
   a model author says what to keep without knowing aten (as JAX's
   ``save_only_these_names`` with ``checkpoint_name``); under ``torch.compile``
@@ -282,7 +283,14 @@ def _op_name(op: Any) -> str:
     """``torch.ops.aten.mm`` -> ``"aten::mm"``, ``torch.ops.aten.mm.default`` ->
     ``"aten::mm.default"``; strings pass through."""
     if isinstance(op, str):
-        return op if "::" in op else op.replace(".", "::", 1)
+        if "::" in op:
+            return op
+        if "." not in op:  # "addmm": no namespace, so it would never match
+            raise ValueError(
+                f"seqckpt: a policy's op names must say their namespace, as "
+                f"'aten::{op}' (or 'aten::{op}.default' for one overload), got {op!r}."
+            )
+        return op.replace(".", "::", 1)
     if isinstance(op, torch._ops.OpOverload):
         return f"{op._schema.name}.{op._overloadname}"
     if isinstance(op, torch._ops.OpOverloadPacket):
@@ -328,11 +336,17 @@ def as_policy(policy: object) -> Policy | None:
     if isinstance(policy, str):
         if policy in POLICIES:
             return POLICIES[policy]
+        if "::" in policy:  # one op by name: "aten::mm"
+            return ops(policy)
         raise ValueError(
             f"seqckpt: argument 'policy' must be None, {', '.join(map(repr, POLICIES))}, "
-            f"a collection of aten ops, seqckpt.policies.names(...) or a callable, "
-            f"got {policy!r}."
+            f"an aten op or a collection of them, seqckpt.policies.names(...) or a "
+            f"callable, got {policy!r}."
         )
+    if isinstance(policy, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        # one op: a packet iterates over its overload names, an overload is
+        # callable, and neither is meant as that
+        return ops(policy)
     if isinstance(policy, Iterable):
         return ops(*policy)
     if callable(policy):
@@ -343,8 +357,9 @@ def as_policy(policy: object) -> Policy | None:
             ops=frozenset(), names=frozenset(), label=label, keep=keep, source=policy
         )
     raise TypeError(
-        f"seqckpt: argument 'policy' must be None, 'compute_heavy', a collection "
-        f"of aten ops, seqckpt.policies.names(...) or a callable, got {policy!r}."
+        f"seqckpt: argument 'policy' must be None, 'compute_heavy', an aten op or "
+        f"a collection of them, seqckpt.policies.names(...) or a callable, got "
+        f"{policy!r}."
     )
 
 

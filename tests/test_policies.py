@@ -565,6 +565,7 @@ def test_checkpoint_sequential_applies_the_policy_to_every_segment() -> None:
         ("fastest", ValueError, "argument 'policy'"),
         (3, TypeError, "argument 'policy'"),
         ([3], TypeError, "aten ops"),
+        (["addmm"], ValueError, "'aten::addmm'"),
     ],
 )
 def test_bad_policies(policy: object, error: type, pattern: str) -> None:
@@ -593,6 +594,11 @@ def test_policy_errors_name_the_conflict() -> None:
 
 
 def test_policy_objects() -> None:
+    # one op given alone is that op (a packet iterates over its overload names,
+    # an overload is callable: both were taken for something else)
+    assert as_policy(aten.addmm) == ops(aten.addmm)
+    assert as_policy(aten.addmm.default) == ops(aten.addmm.default)
+    assert as_policy(["aten.addmm"]) == as_policy("aten::addmm") == ops(aten.addmm)
     assert as_policy("compute_heavy") is COMPUTE_HEAVY
     assert as_policy(None) is None
     assert Policy.from_json(COMPUTE_HEAVY.to_json()) is COMPUTE_HEAVY
