@@ -453,7 +453,8 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         super().__init__()  # type: ignore[no-untyped-call]
         self.policy, self.kept = policy, kept
         self.calls: dict[Any, int] = {}
-        self.by_tensor: dict[int, tuple[Any, int, weakref.ref[torch.Tensor]]] = {}
+        # id -> (op, call number, the tensor, its version when the op made it)
+        self.by_tensor: dict[int, tuple[Any, int, weakref.ref[torch.Tensor], int]] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -478,21 +479,24 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             self.kept.entries[key] = (detached, _versions(detached))
         elif self.policy.names:
             for t in _tensors(out):  # remembered in case it is named later
-                self.by_tensor[id(t)] = (func, call, weakref.ref(t))
+                self.by_tensor[id(t)] = (func, call, weakref.ref(t), t._version)
         return out
 
     def name(self, t: torch.Tensor) -> None:
         """``t`` was named with a name the policy keeps: keep the op that
         produced it, and when it is a view (a matmul's output reshaped), the op
-        that produced its base too, so that op is not run again either."""
+        that produced its base too, so that op is not run again either. A
+        tensor written in place since its op made it (``r = gelu(h);
+        r.mul_(2)``) holds other values than that op's output, so it is not
+        kept: the recompute runs the op and the write again."""
         for tensor in (t, t._base):
             if tensor is None:
                 continue
             found = self.by_tensor.get(id(tensor))
             if found is None:
                 continue
-            func, call, ref = found
-            if ref() is tensor:
+            func, call, ref, version = found
+            if ref() is tensor and tensor._version == version:
                 detached = tensor.detach()
                 self.kept.entries[(func, call)] = (detached, [detached._version])
 

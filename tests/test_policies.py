@@ -242,6 +242,26 @@ def test_names_policy_keeps_what_user_code_names() -> None:
     assert seqckpt.name(x, "proj") is x  # outside a region: nothing happens
 
 
+@pytest.mark.parametrize("named", ["written", "view_of_written"])
+def test_a_name_given_after_an_in_place_write_is_not_served(named: str) -> None:
+    # The named tensor was written in place after its op made it: its values
+    # are not that op's output, so serving them as that output made the
+    # recompute apply the write twice (wrong gradients, no error).
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(m(x))
+        h.mul_(2)
+        kept = seqckpt.name(h if named == "written" else h[:, :4], "h")
+        return kept.tanh().sum() + h.sigmoid().sum()
+
+    x = torch.randn(5, 8, requires_grad=True)
+    assert_matches_plain(
+        lin, x, lambda m, t: checkpoint(block, m, t, policy=names("h")), plain=block
+    )
+
+
 def test_names_in_two_threads_go_to_their_own_regions() -> None:
     # DataParallel runs replicas in threads. Thread "a" names its projection
     # while thread "b" is inside a region of its own: the name must reach a's
