@@ -395,14 +395,14 @@ IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.de
 
 class Kept:
     """What one region's forward kept: op outputs by (op, call number), with
-    their versions so an output changed in place is never served."""
+    their versions so an output changed in place is never served, and the
+    op's place among all the ops of the forward (see :class:`Serving`)."""
 
-    __slots__ = ("entries", "producers")
+    __slots__ = ("entries",)
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[Any, int], tuple[Any, list[int]]] = {}
-        # For names: which (op, call number) produced a tensor of the forward.
-        self.producers: weakref.WeakValueDictionary[int, Any] | None = None
+        # (op, call number) -> (output, its versions, place among all ops)
+        self.entries: dict[tuple[Any, int], tuple[Any, list[int], int]] = {}
 
     def forget_written(self, written: list[torch.Tensor]) -> None:
         """Drop the kept outputs whose memory an op just wrote into.
@@ -416,7 +416,7 @@ class Kept:
         hit = storages_in(written).keys()
         for key in [
             key
-            for key, (out, _) in self.entries.items()
+            for key, (out, _, _) in self.entries.items()
             if not hit.isdisjoint(storages_in(out))
         ]:
             del self.entries[key]
@@ -453,8 +453,12 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         super().__init__()  # type: ignore[no-untyped-call]
         self.policy, self.kept = policy, kept
         self.calls: dict[Any, int] = {}
-        # id -> (op, call number, the tensor, its version when the op made it)
-        self.by_tensor: dict[int, tuple[Any, int, weakref.ref[torch.Tensor], int]] = {}
+        self.place = 0  # ops seen so far
+        # id -> (op, call number, place, the tensor, its version when the op
+        # made it)
+        self.by_tensor: dict[
+            int, tuple[Any, int, int, weakref.ref[torch.Tensor], int]
+        ] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -468,7 +472,8 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             self.kept.forget_written(written)
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
-        key = (func, call)
+        place = self.place
+        self.place = place + 1
         if written:
             # An op that writes into a tensor (dropout's bernoulli_, an in-place
             # activation) is never kept: serving its output would skip the
@@ -476,10 +481,10 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             return out
         if self.policy.keeps(func, args, kwargs):
             detached = _detached(out)
-            self.kept.entries[key] = (detached, _versions(detached))
+            self.kept.entries[(func, call)] = (detached, _versions(detached), place)
         elif self.policy.names:
             for t in _tensors(out):  # remembered in case it is named later
-                self.by_tensor[id(t)] = (func, call, weakref.ref(t), t._version)
+                self.by_tensor[id(t)] = (func, call, place, weakref.ref(t), t._version)
         return out
 
     def name(self, t: torch.Tensor) -> None:
@@ -495,17 +500,24 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             found = self.by_tensor.get(id(tensor))
             if found is None:
                 continue
-            func, call, ref, version = found
+            func, call, place, ref, version = found
             if ref() is tensor and tensor._version == version:
                 detached = tensor.detach()
-                self.kept.entries[(func, call)] = (detached, [detached._version])
+                self.kept.entries[(func, call)] = (detached, [version], place)
 
 
 class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Active during a recompute: serves kept outputs instead of running ops.
     With ``consume`` each output leaves the cache as it is served, so one the
     recomputed graph does not save is freed when its consumers are done (as
-    in the forward), not held to the end of the recompute."""
+    in the forward), not held to the end of the recompute.
+
+    An output is served only where its op also holds the same place among all
+    the ops as in the forward: code that runs in the forward only (a hook
+    behind ``if not seqckpt.is_recomputing():`` computing a statistic) shifts
+    the call numbers of the ops it runs, and the recompute would otherwise be
+    served that code's output in place of the model's. From such a shift on,
+    the recompute runs the ops instead."""
 
     counts_ops = True
 
@@ -514,6 +526,7 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self.kept = kept
         self.consume = consume
         self.calls: dict[Any, int] = {}
+        self.place = 0
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
@@ -522,6 +535,8 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             return func(*args, **(kwargs or {}))
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1
+        place = self.place
+        self.place = place + 1
         entries = self.kept.entries
         entry = (
             entries.pop((func, call), None)
@@ -529,8 +544,8 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             else entries.get((func, call))
         )
         if entry is not None:
-            out, versions = entry
-            if _versions(out) == versions:
+            out, versions, kept_at = entry
+            if kept_at == place and _versions(out) == versions:
                 return out
         return func(*args, **(kwargs or {}))
 

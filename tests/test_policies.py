@@ -305,6 +305,36 @@ def test_names_in_two_threads_go_to_their_own_regions() -> None:
     assert "addmm" not in counts["a"] and "addmm" not in counts["b"]
 
 
+class CentredPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h - h.mean(-1, keepdim=True)).tanh()
+
+
+def test_forward_only_code_does_not_shift_what_is_served() -> None:
+    # A statistics hook that skips the recompute (as the README suggests) runs
+    # a mean the policy keeps in the forward only: matched by call number, the
+    # recompute was served the hook's mean (same shape) in place of the
+    # model's: wrong gradients, no error.
+    stats: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if not seqckpt.is_recomputing():
+            stats.append(out.detach().exp().mean(-1, keepdim=True))
+
+    torch.manual_seed(0)
+    model = CentredPair()
+    model.a.register_forward_hook(hook)
+    x = torch.randn(4, 8, requires_grad=True)
+    for policy in ([aten.mean], [aten.mean, aten.addmm]):
+        assert_matches_plain(model, x, lambda m, t: checkpoint(m, t, policy=policy))
+    assert len(stats) == 4  # (the hook ran in every forward, in none of the recomputes)
+
+
 def test_random_ops_are_never_served_stale() -> None:
     # Keeping everything keeps dropout's mask too; a second backward (retain
     # graph) recomputes, with the same RNG, what the first one used up.

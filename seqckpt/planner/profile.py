@@ -451,7 +451,7 @@ def _policy_cost(
         region = _Region(item, (inputs,), {}, options, None)
         out = region.run()
         assert region.kept is not None
-        kept_storages = _storages([t for t, _ in region.kept.entries.values()])
+        kept_storages = _storages([t for t, _, _ in region.kept.entries.values()])
         keeps_output = bool(_storages(out)) and _storages(out) <= kept_storages
         kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
         kept = max(0, kept)
