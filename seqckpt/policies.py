@@ -546,7 +546,11 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if entry is not None:
             out, versions, kept_at = entry
             if kept_at == place and _versions(out) == versions:
-                return out
+                # Left in the cache (a recompute inside the forward), it is
+                # served again later: hand out an alias, as autograd makes a
+                # served view op's output a view of its base (metadata it
+                # refuses to attach twice to one tensor).
+                return out if self.consume else _detached(out)
         return func(*args, **(kwargs or {}))
 
 

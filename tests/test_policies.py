@@ -335,6 +335,26 @@ def test_forward_only_code_does_not_shift_what_is_served() -> None:
     assert len(stats) == 4  # (the hook ran in every forward, in none of the recomputes)
 
 
+@pytest.mark.parametrize("form", list(POLICIES))
+def test_a_gradient_penalty_inside_the_region(form: str) -> None:
+    # autograd.grad inside the function recomputes while the forward runs and
+    # is served from the cache, which keeps its outputs for the backward's
+    # recompute; serving a view op's kept output twice made autograd refuse it
+    # there ("Attempted to make a tensor into a differentiable view").
+    def penalised(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = m(x)
+        (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        return y.sum() + (g.norm(dim=1) - 1).pow(2).mean()
+
+    x = torch.randn(5, 8, requires_grad=True)
+    assert_matches_plain(
+        mlp(),
+        x,
+        lambda m, t: checkpoint(penalised, m, t, policy=POLICIES[form]),
+        plain=penalised,
+    )
+
+
 def test_random_ops_are_never_served_stale() -> None:
     # Keeping everything keeps dropout's mask too; a second backward (retain
     # graph) recomputes, with the same RNG, what the first one used up.
