@@ -47,7 +47,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import SelectiveCheckpointContext
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 
 from seqckpt._tree import storages_in
 
@@ -205,8 +209,6 @@ def _kept_by(decision: object) -> bool:
     checkpointing) count by their meaning, not their truth (every enum member
     is true): ``MUST_RECOMPUTE`` / ``PREFER_RECOMPUTE`` do not keep, the
     others keep (``*_CPU_OFFLOAD``: kept where the output is, not offloaded)."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     if isinstance(decision, CheckpointPolicy):
         return decision not in (
             CheckpointPolicy.MUST_RECOMPUTE,
@@ -248,8 +250,6 @@ def _torch_selective(policy: Policy) -> Callable[[], Any]:
     functions over the policy's parts, which dynamo can take as a constant even
     where the policy is made while it traces (a list or callable given inside
     a compiled function)."""
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     decide = functools.partial(
         _sac_decision,
         tuple(sorted(policy.ops)),
@@ -268,8 +268,6 @@ def _sac_decision(
     *args: Any,
     **kwargs: Any,
 ) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
     if _keeps(ops, names, keep, func, args, kwargs):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
