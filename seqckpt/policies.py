@@ -587,8 +587,17 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         >>> policy = seqckpt.policies.names("scores")
         >>> seqckpt.checkpoint(block, x, policy=policy).sum().backward()
     """
-    if not isinstance(label, str):
-        raise TypeError(f"seqckpt: name() takes a string label, got {label!r}.")
+    if not isinstance(label, str) or not label:
+        raise TypeError(
+            f"seqckpt: name() takes a non-empty string label, got {label!r}."
+        )
+    if not isinstance(tensor, torch.Tensor):
+        # (a tuple an attention module returns, say: it would be named silently
+        # not at all, and nothing kept)
+        raise TypeError(
+            f"seqckpt: name() takes a tensor, got {type(tensor).__name__}; name "
+            "the tensor to keep, e.g. seqckpt.name(out[0], label)."
+        )
     if torch.compiler.is_compiling():
         # Dynamo cannot trace the lookup below. A name some names policy keeps
         # becomes seqckpt::named in the graph, whose output torch's selective

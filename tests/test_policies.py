@@ -663,6 +663,20 @@ def test_policy_errors_name_the_conflict() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("tensor", "label", "pattern"),
+    [
+        ((torch.ones(2), torch.ones(2)), "out", "takes a tensor, got tuple"),
+        (torch.ones(2), "", "non-empty string label"),
+        (torch.ones(2), 3, "non-empty string label"),
+    ],
+)
+def test_bad_names_are_refused(tensor: Any, label: Any, pattern: str) -> None:
+    # a tuple (what an attention module returns) was named silently not at all
+    with pytest.raises(TypeError, match=pattern):
+        seqckpt.name(tensor, label)
+
+
 def test_policy_objects() -> None:
     # one op given alone is that op (a packet iterates over its overload names,
     # an overload is callable: both were taken for something else)
