@@ -52,6 +52,8 @@ POLICIES: dict[str, Any] = {
     "overloads": {aten.addmm.default, aten.gelu.default},
     "callable": keeps_gelu,
     "torch_callable": torch_keeps_gelu,
+    "names": names("lin", "act"),  # what tests.test_robustness.NamedAndWritten names
+    "mean": [aten.mean],  # what tests.test_robustness.StatsHook's hook runs
     "everything": lambda op, *a, **k: True,
 }
 

@@ -103,6 +103,55 @@ class Nested(nn.Module):
         return x + seqckpt.checkpoint(self.inner, x, policy=self.policy)
 
 
+class NoiseOfItsOwn(nn.Module):
+    """Noise drawn from a torch.Generator the module holds (replayed since
+    this session; before, the recompute drew the next numbers)."""
+
+    def __init__(self, width: int, seed: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h * torch.rand(h.shape, generator=self.gen)
+
+
+class StatsHook(nn.Module):
+    """A statistics hook that skips the recompute (as the README suggests),
+    running a mean, as the model does, in the forward only."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.stats: list[torch.Tensor] = []
+        self.lin.register_forward_hook(self.record)
+
+    def record(self, module: nn.Module, args: object, out: torch.Tensor) -> None:
+        if not seqckpt.is_recomputing():
+            self.stats.append(out.detach().exp().mean(-1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h - h.mean(-1, keepdim=True)
+
+
+class NamedAndWritten(nn.Module):
+    """Views written in place, and names given before and after an in-place
+    write (what a names policy may keep)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = seqckpt.name(self.lin(x), "lin")
+        h[:, : h.shape[1] // 2 + 1].mul_(1.5)  # in place on a view
+        g = nn.functional.silu(h)
+        g.add_(1)
+        return seqckpt.name(g, "act").tanh() + h.transpose(0, 1).reshape(h.shape)
+
+
 @st.composite
 def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
     width = draw(st.integers(2, 12))
@@ -120,6 +169,9 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
                     "attention",
                     "in_place_inside",
                     "nested",
+                    "own_noise",
+                    "stats_hook",
+                    "named_and_written",
                 ]
             )  # fmt: skip
         )
@@ -139,6 +191,12 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
             items.append(InPlaceInside(width))
         elif kind == "nested":
             items.append(Nested(width, draw(st.sampled_from([None, "compute_heavy"]))))
+        elif kind == "own_noise":
+            items.append(NoiseOfItsOwn(width, draw(st.integers(0, 1000))))
+        elif kind == "stats_hook":
+            items.append(StatsHook(width))
+        elif kind == "named_and_written":
+            items.append(NamedAndWritten(width))
         else:
             items += [Split(), Join(width)]
     torch.manual_seed(draw(st.integers(0, 1000)))
