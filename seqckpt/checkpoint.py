@@ -55,7 +55,7 @@ from seqckpt._buffers import (
     watching_modules,
 )
 from seqckpt._tree import plain_tensors, replace_tensors, tensors_in
-from seqckpt.policies import IGNORED_OPS, Keeping, Kept, Policy, Serving, as_policy
+from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy, uncounted_op
 
 __all__ = ["CheckpointError", "CheckpointedFunction", "checkpoint"]
 
@@ -522,7 +522,9 @@ class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Records the name of every aten op the function runs (``debug=True``):
     not seqckpt's bookkeeping (buffer replays, fingerprints, which it hides
     from modes that count ops) nor ``detach``, which seqckpt's hooks call in
-    the recompute only, so the two logs differ only where the function does."""
+    the recompute only, nor a weight's cast that autocast's cache runs in one
+    pass only (see :func:`seqckpt.policies.uncounted_op`), so the two logs
+    differ only where the function does."""
 
     counts_ops = True
 
@@ -533,7 +535,7 @@ class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if func not in IGNORED_OPS:
+        if not uncounted_op(func, args):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 

@@ -389,6 +389,23 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 # recompute but not in the forward, so counting them would shift the call
 # numbers that match a recompute's ops with the forward's.
 IGNORED_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def uncounted_op(func: Any, args: Any) -> bool:
+    """An op a policy neither numbers, keeps nor serves: one of
+    :data:`IGNORED_OPS`, or a cast of a leaf tensor that requires grad (a
+    weight under autocast). Autocast caches those casts, so whether one is run
+    depends on the pass: a second forward in one autocast block takes them
+    from the cache while its recompute runs them, and a backward inside the
+    block is the other way round. Counted, they would shift every later op's
+    place and nothing after them would be served."""
+    if func in IGNORED_OPS:
+        return True
+    if func is _TO_COPY and args:
+        t = args[0]
+        return isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad
+    return False
 
 
 class Kept:
@@ -463,7 +480,7 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func in IGNORED_OPS:
+        if uncounted_op(func, args):
             return out
         written = _written(func, args, kwargs)
         if written and self.kept.entries:
@@ -529,7 +546,7 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: Any = None
     ) -> Any:
-        if func in IGNORED_OPS:
+        if uncounted_op(func, args):
             return func(*args, **(kwargs or {}))
         call = self.calls.get(func, 0)
         self.calls[func] = call + 1

@@ -357,6 +357,35 @@ def test_a_gradient_penalty_inside_the_region(form: str) -> None:
     )
 
 
+@pytest.mark.parametrize("backward", ["inside", "after"])
+def test_autocasts_weight_cache_does_not_stop_the_serving(backward: str) -> None:
+    # Autocast caches weight casts within one autocast block: a second forward
+    # there takes them from the cache while its recompute (backward after the
+    # block) casts again, and a backward inside the block is the other way
+    # round. Counted as ops, those casts shifted every later op's place, and
+    # nothing after them was served.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4)]
+    )
+    x = torch.randn(4, 16, requires_grad=True)
+    outputs, recomputed = [], []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):  # gradient accumulation: two forwards in one block
+            y = checkpoint_sequential(model, 2, x, policy="compute_heavy")
+            if backward == "inside":
+                with OpCounter() as counter:
+                    y.float().sum().backward()
+                recomputed.append(counter.counts.get("addmm", 0))
+            else:
+                outputs.append(y)
+    for y in outputs:
+        with OpCounter() as counter:
+            y.float().sum().backward()
+        recomputed.append(counter.counts.get("addmm", 0))
+    assert recomputed == [0, 0]  # every matmul was served
+
+
 def test_random_ops_are_never_served_stale() -> None:
     # Keeping everything keeps dropout's mask too; a second backward (retain
     # graph) recomputes, with the same RNG, what the first one used up.
