@@ -22,6 +22,7 @@ import seqckpt
 from seqckpt import CheckpointError, checkpoint
 from tests.counting import CountsFinished, SavesLessTheSecondTime
 from tests.oracle import assert_matches_plain
+from tests.test_robustness import NoiseOfItsOwn
 
 
 def mlp(dropout: float = 0.3, bn: bool = True) -> nn.Sequential:
@@ -345,26 +346,9 @@ def test_rrelu_ending_a_region(check: str, where: str) -> None:
     assert_matches_plain(model, x, run, plain=plain)
 
 
-class OwnNoise(nn.Module):
-    """Multiplicative noise drawn from a generator of its own (the default
-    generator stays untouched), as a model with reproducible noise has."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-        self.gen = torch.Generator().manual_seed(7)
-
-    def forward(
-        self, x: torch.Tensor, gen: torch.Generator | None = None
-    ) -> torch.Tensor:
-        h = self.linear(x)
-        noise = torch.rand(h.shape, generator=gen or self.gen)
-        return (h * noise).tanh()
-
-
 Call = Callable[[nn.Sequential, torch.Generator, torch.Tensor], torch.Tensor]
 # How the generator is reached: (checkpointed call, plain call) of the chain
-# OwnNoise, Linear, OwnNoise; ``gen`` is a generator the caller holds.
+# NoiseOfItsOwn, Linear, NoiseOfItsOwn; ``gen`` is a generator the caller holds.
 GENERATOR_CALLS: dict[str, tuple[Call, Call]] = {
     "attribute": (lambda m, g, x: checkpoint(m, x), lambda m, g, x: m(x)),
     "segments": (
@@ -400,7 +384,7 @@ def test_a_generator_of_its_own_is_replayed(reached: str) -> None:
     # leaves it. Two steps, so a generator advanced twice would show.
     def train(call: Call) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model = nn.Sequential(OwnNoise(8), nn.Linear(8, 8), OwnNoise(8))
+        model = nn.Sequential(NoiseOfItsOwn(8), nn.Linear(8, 8), NoiseOfItsOwn(8))
         gen = torch.Generator().manual_seed(11)
         x = torch.randn(4, 8, requires_grad=True)
         out: list[torch.Tensor] = []
@@ -420,7 +404,7 @@ def test_a_generator_of_its_own_is_replayed(reached: str) -> None:
 def test_a_module_class_without_a_module_name() -> None:
     # A class made with type() whose __module__ was set to None: the check of
     # which classes may hold a generator must not assume a name.
-    made = type("Made", (OwnNoise,), {})
+    made = type("Made", (NoiseOfItsOwn,), {})
     made.__module__ = None  # type: ignore[assignment]
     torch.manual_seed(0)
     assert_matches_plain(made(8), torch.randn(4, 8, requires_grad=True), checkpoint)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import seqckpt
+from tests.test_robustness import NoiseOfItsOwn
 
 
 def bn_dropout_chain() -> nn.Sequential:
@@ -46,19 +47,10 @@ def test_profile_is_sandboxed() -> None:
     assert [m.training for m in model.modules()] == flags
 
 
-class NoiseOfItsOwn(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gen = torch.Generator().manual_seed(5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rand(x.shape, generator=self.gen)
-
-
 def test_profile_leaves_a_modules_own_generator_where_it_was() -> None:
     # Profiling runs each item several times; a generator a module holds would
     # otherwise be left further on than training alone leaves it.
-    model = nn.Sequential(nn.Linear(16, 16), NoiseOfItsOwn(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(16, 16), NoiseOfItsOwn(16), nn.Linear(16, 4))
     before = model[1].gen.get_state()
     seqckpt.profile(model, torch.randn(8, 16), repeats=2)
     assert torch.equal(model[1].gen.get_state(), before)

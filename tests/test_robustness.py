@@ -104,17 +104,20 @@ class Nested(nn.Module):
 
 
 class NoiseOfItsOwn(nn.Module):
-    """Noise drawn from a torch.Generator the module holds (replayed since
-    this session; before, the recompute drew the next numbers)."""
+    """Noise drawn from a torch.Generator the module holds (the default one
+    stays untouched), or from one the caller passes: the recompute must draw
+    what the forward drew (before, it drew the next numbers)."""
 
-    def __init__(self, width: int, seed: int) -> None:
+    def __init__(self, width: int, seed: int = 7) -> None:
         super().__init__()
         self.lin = nn.Linear(width, width)
         self.gen = torch.Generator().manual_seed(seed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, gen: torch.Generator | None = None
+    ) -> torch.Tensor:
         h = self.lin(x)
-        return h * torch.rand(h.shape, generator=self.gen)
+        return h * torch.rand(h.shape, generator=gen or self.gen)
 
 
 class StatsHook(nn.Module):
