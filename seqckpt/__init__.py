@@ -20,6 +20,7 @@ with warnings.catch_warnings():
 from seqckpt import policies
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import CheckpointedFunction, CheckpointError, checkpoint
+from seqckpt.kept_report import KeptReport, what_is_kept
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
 from seqckpt.policies import name
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointedFunction",
     "CheckpointedSequential",
+    "KeptReport",
     "MemoryStats",
     "Plan",
     "PlanError",
@@ -50,5 +52,6 @@ __all__ = [
     "replace_torch_checkpoint",
     "track_memory",
     "validate",
+    "what_is_kept",
 ]
 __version__ = "0.1.0"

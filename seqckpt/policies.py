@@ -469,6 +469,7 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self.policy, self.kept = policy, kept
         self.calls: dict[Any, int] = {}
         self.place = 0  # ops seen so far
+        self.labels: dict[tuple[Any, int], str] = {}  # kept by seqckpt.name
         # id -> (op, call number, place, the tensor, its version when the op
         # made it)
         self.by_tensor: dict[
@@ -502,8 +503,8 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
                 self.by_tensor[id(t)] = (func, call, place, weakref.ref(t), t._version)
         return out
 
-    def name(self, t: torch.Tensor) -> None:
-        """``t`` was named with a name the policy keeps: keep the op that
+    def name(self, t: torch.Tensor, label: str) -> None:
+        """``t`` was named ``label``, a name the policy keeps: keep the op that
         produced it, and when it is a view (a matmul's output reshaped), the op
         that produced its base too, so that op is not run again either. A
         tensor written in place since its op made it (``r = gelu(h);
@@ -519,6 +520,7 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             if ref() is tensor and tensor._version == version:
                 detached = tensor.detach()
                 self.kept.entries[(func, call)] = (detached, [version], place)
+                self.labels[(func, call)] = label
 
 
 class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
@@ -624,6 +626,6 @@ def name(tensor: torch.Tensor, label: str) -> torch.Tensor:
         return tensor
     for keeping, wanted in reversed(_NAMING.get()):
         if label in wanted:
-            keeping.name(tensor)
+            keeping.name(tensor, label)
             break
     return tensor

@@ -24,7 +24,7 @@ from torch.nn.parameter import is_lazy
 
 from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
-from seqckpt._state import RngState, accelerator_devices, generators_held
+from seqckpt._state import RngState, accelerator_devices, generators_held, unseen
 from seqckpt._tree import replace_tensors, storages_in, tensors_in
 from seqckpt.checkpoint import Options, _Region
 from seqckpt.memory import MemoryStats, Stopwatch, track_memory
@@ -280,11 +280,12 @@ class _Sandbox:
 @contextmanager
 def sandbox(devices: tuple[torch.device, ...]) -> Iterator[_Sandbox]:
     """Run the block, then put back what it changed in the modules it called
-    (see :class:`_Sandbox`) and the global RNG state."""
+    (see :class:`_Sandbox`) and the global RNG state. Its copies of what it
+    puts back are made unseen by a policy's modes (they number ops)."""
     box = _Sandbox()
     rng = RngState.capture(devices)
     try:
-        with watching_modules(box.seen):
+        with watching_modules(partial(unseen, box.seen)):
             yield box
     finally:
         box.restore()
