@@ -8,7 +8,9 @@ where it finds no stack of repeated blocks, their ``features`` trunk becomes
 one ``CheckpointedSequential``, or timm's own ``set_grad_checkpointing()`` runs
 under ``seqckpt.replace_torch_checkpoint(policy=...)``); HF
 models get ``seqckpt.checkpoint`` (with the policy) as their checkpoint
-function through ``real_models.use_seqckpt``. Dropout, stochastic depth, MoE
+function through ``real_models.use_seqckpt``, or with ``--hf-route blocks``
+``seqckpt.checkpoint_blocks`` on the model (public API only: each layer of
+their ``nn.ModuleList`` is a region). Dropout, stochastic depth, MoE
 router noise, BatchNorm, in-place activations and (two torchvision models
 prepared for quantization-aware training) fake-quantizers with their observers
 are left on where the model has them. Sizes are small: this checks correctness, not speed.
@@ -19,6 +21,7 @@ models are skipped)::
     python examples/model_sweep.py                       # default policy only
     python examples/model_sweep.py --policies none,compute_heavy,everything
     python examples/model_sweep.py --only mixtral,swin   # names containing these
+    python examples/model_sweep.py --only transformers --hf-route blocks
 
 ``everything`` keeps every op's output and checks fingerprints of every saved
 tensor (``determinism_check="values"``). Exits 1 if any model fails.
@@ -74,6 +77,16 @@ def torchvision_cases() -> list[Case]:
     ):  # fmt: skip
         build = functools.partial(getattr(tvm, name), num_classes=10)
         cases.append((f"torchvision {name}", build, small, _summed, "vision"))
+    # MaxViT loops over nn.ModuleList stacks (224x224: its window partitions)
+    cases.append(
+        (
+            "torchvision maxvit_t",
+            functools.partial(tvm.maxvit_t, num_classes=10),
+            torch.randn(2, 3, 224, 224),
+            _summed,
+            "vision",
+        )
+    )
     vit = functools.partial(
         tvm.VisionTransformer, image_size=32, patch_size=8, num_layers=3,
         num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10, dropout=0.1,
@@ -308,9 +321,13 @@ def checkpoint_vision(model: nn.Module, options: dict[str, Any]) -> nn.Module:
     return model
 
 
-def convert(kind: str, options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
+def convert(
+    kind: str, options: dict[str, Any], hf_route: str = "function"
+) -> Callable[[nn.Module], nn.Module]:
     if kind == "vision":
         return lambda model: checkpoint_vision(model, options)
+    if hf_route == "blocks":  # public API only: each layer of the ModuleList
+        return lambda model: seqckpt.checkpoint_blocks(model, **options)
     return lambda model: use_seqckpt(model, **options)
 
 
@@ -321,6 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--only", default="", help="comma-separated parts of model names"
+    )
+    parser.add_argument(
+        "--hf-route",
+        choices=("function", "blocks"),
+        default="function",
+        help="HF models: seqckpt as their checkpoint function, or "
+        "seqckpt.checkpoint_blocks on the model (HF's own checkpointing off)",
     )
     args = parser.parse_args(argv)
     chosen = [p.strip() for p in args.policies.split(",")]
@@ -349,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             try:
                 plain, ckpt = compare(
-                    build, inputs, convert(kind, POLICIES[policy]), loss
+                    build, inputs, convert(kind, POLICIES[policy], args.hf_route), loss
                 )
             except Exception as error:  # reported per model; the sweep goes on
                 failed += 1

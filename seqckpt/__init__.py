@@ -19,21 +19,19 @@ with warnings.catch_warnings():
 
 from seqckpt import policies
 from seqckpt._state import is_checkpointing, is_recomputing
+from seqckpt.blocks import CheckpointedForward, checkpoint_blocks
 from seqckpt.checkpoint import CheckpointedFunction, CheckpointError, checkpoint
 from seqckpt.kept_report import KeptReport, what_is_kept
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
 from seqckpt.policies import name
-from seqckpt.sequential import (
-    CheckpointedSequential,
-    checkpoint_blocks,
-    checkpoint_sequential,
-)
+from seqckpt.sequential import CheckpointedSequential, checkpoint_sequential
 from seqckpt.torch_drop_in import replace_torch_checkpoint
 from seqckpt.validation import validate
 
 __all__ = [
     "CheckpointError",
+    "CheckpointedForward",
     "CheckpointedFunction",
     "CheckpointedSequential",
     "KeptReport",

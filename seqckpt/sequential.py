@@ -26,7 +26,7 @@ from seqckpt.planner.planning import auto_step
 from seqckpt.planner.tree import Plan, default_segments
 from seqckpt.policies import Policy, as_policy
 
-__all__ = ["CheckpointedSequential", "checkpoint_blocks", "checkpoint_sequential"]
+__all__ = ["CheckpointedSequential", "checkpoint_sequential"]
 
 Segments = int | Sequence[int] | Plan | str
 
@@ -320,102 +320,3 @@ class CheckpointedSequential(nn.Sequential):
         if self.policy is not None:
             parts.append(f"policy={self.policy}")
         return ", ".join(parts)
-
-
-def checkpoint_blocks(
-    model: nn.Module, segments: int | None = None, **options: Any
-) -> nn.Module:
-    """Checkpoint the stacks of repeated blocks inside ``model``, in place.
-
-    Every ``nn.Sequential`` whose children are two or more modules of one class
-    (torchvision's ResNet stages, timm's ViT ``blocks``, ConvNeXt's per-stage
-    ``blocks``) becomes a :class:`CheckpointedSequential` over the same module
-    objects, so parameters, optimisers and ``state_dict`` keys are unchanged.
-    Only the innermost such stacks are swapped (ConvNeXt's ``stages`` holds
-    stacks of blocks and stays as it is), so checkpoints do not nest. This is
-    seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``; leave
-    that off.
-
-    Args:
-        model: any module.
-        segments: segments per stack, at most the stack's length (``len`` of
-            a stack checkpoints every block but the last, as timm does); None:
-            :class:`CheckpointedSequential`'s default.
-        **options: checkpoint options for every stack (``determinism_check``,
-            ``preserve_rng_state``, ``context_fn``, ...).
-
-    Returns:
-        ``model``; where ``model`` is itself such a stack, a new
-        :class:`CheckpointedSequential` over its modules. Where it holds no
-        stack (torchvision's MobileNetV2 and VGG ``features`` mix classes), it
-        warns that nothing is checkpointed.
-
-    Example:
-        >>> import torch, seqckpt
-        >>> stage = lambda: torch.nn.Sequential(
-        ...     *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
-        ...       for _ in range(4)])
-        >>> model = torch.nn.Sequential(stage(), torch.nn.Linear(8, 8), stage())
-        >>> _ = seqckpt.checkpoint_blocks(model, segments=2)
-        >>> [type(m).__name__ for m in model]
-        ['CheckpointedSequential', 'Linear', 'CheckpointedSequential']
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"seqckpt: argument 'model' must be an nn.Module, got "
-            f"{type(model).__name__}."
-        )
-    if segments is not None and (
-        isinstance(segments, bool) or not isinstance(segments, int) or segments < 1
-    ):
-        raise ValueError(
-            f"seqckpt: argument 'segments' must be an int >= 1 or None, got "
-            f"{segments!r}."
-        )
-
-    def k(stack: nn.Sequential) -> int | None:
-        return None if segments is None else min(segments, len(stack))
-
-    if _is_innermost_stack(model):
-        assert isinstance(model, nn.Sequential)
-        return CheckpointedSequential.from_sequential(model, k(model), **options)
-    stacks = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if _is_innermost_stack(child)
-    ]
-    if not stacks and not any(
-        isinstance(m, CheckpointedSequential) for m in model.modules()
-    ):
-        warnings.warn(
-            f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
-            f"nn.Sequential of two or more modules of one class) in "
-            f"{type(model).__name__}, so nothing is checkpointed. Swap its trunk "
-            "yourself, e.g. model.features = "
-            "CheckpointedSequential.from_sequential(model.features), or call "
-            "seqckpt.checkpoint(block, x) in its forward.",
-            stacklevel=2,
-        )
-    for parent, name, child in stacks:
-        assert isinstance(child, nn.Sequential)
-        setattr(
-            parent,
-            name,
-            CheckpointedSequential.from_sequential(child, k(child), **options),
-        )
-    return model
-
-
-def _is_stack(module: nn.Module) -> bool:
-    """An nn.Sequential of two or more modules of one class."""
-    if type(module) is not nn.Sequential or len(module) < 2:
-        return False
-    return len({type(m) for m in module}) == 1
-
-
-def _is_innermost_stack(module: nn.Module) -> bool:
-    """A stack holding no other stack (checkpoints do not nest)."""
-    return _is_stack(module) and not any(
-        _is_stack(m) for m in module.modules() if m is not module
-    )

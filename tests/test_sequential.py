@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import runpy
-import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -337,78 +335,3 @@ def test_int_segments_never_start_at_an_in_place_module() -> None:
         assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, k, t))
     plan = seqckpt.executor.resolve_plan(3, list(model))
     assert [i.start for i in plan.items if isinstance(i, Recompute)] == [0, 3]
-
-
-# -------------------------------------------------------- checkpoint_blocks
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.GELU())
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.drop(self.body(x))
-
-
-class Net(nn.Module):
-    """A stem, stages of repeated blocks, and a stack of stages."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.stem = nn.Sequential(nn.Linear(6, 6), nn.Tanh())  # mixed: stays
-        self.stages = nn.Sequential(
-            nn.Sequential(Block(), Block(), Block()), nn.Sequential(Block(), Block())
-        )
-        self.head = nn.Linear(6, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
-
-
-def test_checkpoint_blocks_swaps_the_innermost_stacks_in_place() -> None:
-    model = Net()
-    blocks = list(model.stages.modules())
-    keys = list(model.state_dict())
-    assert seqckpt.checkpoint_blocks(model, segments=3, policy="compute_heavy") is model
-    assert type(model.stem) is nn.Sequential and type(model.stages) is nn.Sequential
-    stages = list(model.stages)
-    assert all(isinstance(s, CheckpointedSequential) for s in stages)
-    assert [s.segments for s in stages] == [3, 2]  # capped at each stack's length
-    assert all(s.policy == stages[0].policy is not None for s in stages)
-    assert [m for m in model.stages.modules() if not isinstance(m, nn.Sequential)] == [
-        m for m in blocks if not isinstance(m, nn.Sequential)
-    ]  # the same block objects
-    assert list(model.state_dict()) == keys
-    x = torch.randn(5, 6, requires_grad=True)
-    assert_matches_plain(Net(), x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
-
-
-def test_checkpoint_blocks_on_a_stack_itself_and_where_there_is_none() -> None:
-    stack = nn.Sequential(Block(), Block())
-    wrapped = seqckpt.checkpoint_blocks(stack, segments=2)
-    assert type(wrapped) is CheckpointedSequential and wrapped.segments == 2
-    assert list(wrapped) == list(stack)
-    mixed = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
-    with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
-        assert seqckpt.checkpoint_blocks(mixed) is mixed
-    assert type(mixed) is nn.Sequential
-    model = seqckpt.checkpoint_blocks(Net())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # swapped already: nothing to say
-        seqckpt.checkpoint_blocks(model)
-
-
-@pytest.mark.parametrize(
-    ("model", "segments", "pattern"),
-    [
-        ("not a module", None, "argument 'model' must be an nn.Module"),
-        (nn.Sequential(Block(), Block()), 0, "argument 'segments' must be an int"),
-        (nn.Sequential(Block(), Block()), True, "argument 'segments' must be an int"),
-    ],
-)
-def test_checkpoint_blocks_errors(model: Any, segments: Any, pattern: str) -> None:
-    with pytest.raises((TypeError, ValueError), match=pattern):
-        seqckpt.checkpoint_blocks(model, segments)

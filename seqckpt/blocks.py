@@ -1,0 +1,219 @@
+"""Checkpointing the stacks of repeated blocks in an existing model, in place:
+:func:`checkpoint_blocks`.
+
+Two kinds of stack are found. An ``nn.Sequential`` of blocks of one class is
+called as a whole, so it becomes a :class:`~seqckpt.CheckpointedSequential`
+over the same blocks (segments of several blocks). An ``nn.ModuleList`` of
+blocks of one class is looped over by its parent's forward (nanoGPT's ``h``,
+torchvision's MaxViT, most hand-written transformers), which seqckpt does not
+rewrite: there each block's own forward is made a region, by a
+:class:`CheckpointedForward` set on the block, so the parent's loop, the
+block's attributes and every ``state_dict`` key stay as they were.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqckpt.checkpoint import Options, make_options, run_region
+from seqckpt.sequential import CheckpointedSequential
+
+__all__ = ["CheckpointedForward", "checkpoint_blocks"]
+
+
+class CheckpointedForward:
+    """A block's forward, checkpointed: set as the block's ``forward`` by
+    :func:`checkpoint_blocks`, so each call of the block (through
+    ``nn.Module.__call__``, with its hooks) runs as one region in training
+    mode with grad enabled, and plainly otherwise. The recompute runs the
+    block's own forward, not its hooks: they run once per call, as without
+    checkpointing.
+
+    Attributes:
+        module: the block.
+        options: the checkpoint options of its regions.
+        forward: the forward it replaces where the block had one of its own
+            (an instance attribute); None: its class's.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+        >>> block.forward = seqckpt.CheckpointedForward(block)
+        >>> block(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    """
+
+    __slots__ = ("module", "options", "forward")
+
+    def __init__(self, module: nn.Module, options: Options | None = None) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                "seqckpt: CheckpointedForward takes the nn.Module whose forward it "
+                f"replaces, got {type(module).__name__}."
+            )
+        self.module = module
+        self.options = make_options() if options is None else options
+        own = module.__dict__.get("forward")
+        self.forward = None if isinstance(own, CheckpointedForward) else own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = self.forward or type(module).forward.__get__(module)
+        if not (module.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        return run_region(
+            forward, args, kwargs, self.options, [module], type(module).__name__
+        )
+
+    def __repr__(self) -> str:
+        return f"CheckpointedForward({type(self.module).__name__})"
+
+
+def checkpoint_blocks(
+    model: nn.Module, segments: int | None = None, **options: Any
+) -> nn.Module:
+    """Checkpoint the stacks of repeated blocks inside ``model``, in place.
+
+    A stack is an ``nn.Sequential`` or ``nn.ModuleList`` whose children are two
+    or more modules of one class. Only the innermost stacks are taken (a stack
+    holding stacks, such as ConvNeXt's ``stages``, stays as it is), so
+    checkpoints do not nest. Parameters, optimisers and ``state_dict`` keys
+    are unchanged: the same block objects stay where they were.
+
+    - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
+      ``blocks``) become :class:`CheckpointedSequential` s over their blocks,
+      in ``segments`` segments.
+    - ``nn.ModuleList`` stacks (nanoGPT's ``transformer.h``, torchvision's
+      MaxViT ``layers``) are looped over by the parent's forward: each block
+      gets a :class:`CheckpointedForward`, so every call of it is a region of
+      its own (``segments`` does not apply; the block's hooks still run once
+      per call). Arguments and results may be anything a region takes
+      (keywords, tuples).
+
+    This is seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``;
+    leave that off. HF transformers models checkpoint their layers themselves:
+    give them seqckpt's function instead (see the README).
+
+    Args:
+        model: any module.
+        segments: segments per ``nn.Sequential`` stack, at most the stack's
+            length (``len`` of a stack checkpoints every block but the last,
+            as timm does); None: :class:`CheckpointedSequential`'s default.
+        **options: checkpoint options for every stack (``policy``,
+            ``determinism_check``, ``preserve_rng_state``, ``context_fn``, ...).
+
+    Returns:
+        ``model``; where ``model`` is itself an ``nn.Sequential`` stack, a new
+        :class:`CheckpointedSequential` over its modules. Where it holds no
+        stack (torchvision's MobileNetV2 and VGG ``features`` mix classes), it
+        warns that nothing is checkpointed.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> stage = lambda: torch.nn.Sequential(
+        ...     *[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+        ...       for _ in range(4)])
+        >>> model = torch.nn.Sequential(stage(), torch.nn.Linear(8, 8), stage())
+        >>> _ = seqckpt.checkpoint_blocks(model, segments=2)
+        >>> [type(m).__name__ for m in model]
+        ['CheckpointedSequential', 'Linear', 'CheckpointedSequential']
+        >>> layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        >>> _ = seqckpt.checkpoint_blocks(layers)
+        >>> layers[0].forward
+        CheckpointedForward(Linear)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"seqckpt: argument 'model' must be an nn.Module, got "
+            f"{type(model).__name__}."
+        )
+    if segments is not None and (
+        isinstance(segments, bool) or not isinstance(segments, int) or segments < 1
+    ):
+        raise ValueError(
+            f"seqckpt: argument 'segments' must be an int >= 1 or None, got "
+            f"{segments!r}."
+        )
+
+    def swapped(stack: nn.Sequential) -> CheckpointedSequential:
+        k = None if segments is None else min(segments, len(stack))
+        return CheckpointedSequential.from_sequential(stack, k, **options)
+
+    # (an error in the options shows here, before anything is changed)
+    block_options = make_options(
+        **{k: v for k, v in options.items() if k != "memory_budget"}
+    )
+    if _is_innermost_stack(model) and isinstance(model, nn.Sequential):
+        return swapped(model)
+    sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
+    lists: list[nn.ModuleList] = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if not _is_innermost_stack(child):
+                continue
+            if isinstance(child, nn.Sequential):
+                sequentials.append((parent, name, child))
+            else:
+                assert isinstance(child, nn.ModuleList)
+                lists.append(child)
+    if _is_innermost_stack(model):
+        assert isinstance(model, nn.ModuleList)
+        lists.append(model)  # its blocks are what changes
+    if not sequentials and not lists and not any(map(_checkpointed, model.modules())):
+        warnings.warn(
+            f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
+            f"nn.Sequential or nn.ModuleList of two or more modules of one "
+            f"class) in {type(model).__name__}, so nothing is checkpointed. Swap "
+            "its trunk yourself, e.g. model.features = "
+            "CheckpointedSequential.from_sequential(model.features), or call "
+            "seqckpt.checkpoint(block, x) in its forward.",
+            stacklevel=2,
+        )
+    for parent, name, stack in sequentials:
+        setattr(parent, name, swapped(stack))
+    for blocks in lists:
+        for block in blocks:
+            block.forward = CheckpointedForward(block, block_options)
+            if not isinstance(block, torch.jit.ScriptModule):
+                # torch.jit.script asks this first (and would fail obscurely
+                # on the forward above); a scripted block is compiled already
+                block.__prepare_scriptable__ = functools.partial(  # type: ignore[assignment]
+                    _not_scriptable, type(block).__name__
+                )
+    return model
+
+
+def _not_scriptable(name: str) -> None:
+    raise TypeError(
+        f"seqckpt: torch.jit.script cannot compile {name}: checkpoint_blocks gave "
+        "it a checkpointed forward (a Python object). Script the blocks before "
+        "calling checkpoint_blocks (scripted blocks are checkpointed too), script "
+        "a model without checkpointing, or use torch.compile."
+    )
+
+
+def _is_stack(module: nn.Module) -> bool:
+    """An nn.Sequential or nn.ModuleList of two or more modules of one class."""
+    if type(module) not in (nn.Sequential, nn.ModuleList):
+        return False
+    blocks = list(module._modules.values())  # a shared block as often as it is there
+    return len(blocks) >= 2 and len({type(m) for m in blocks}) == 1
+
+
+def _checkpointed(module: nn.Module) -> bool:
+    """Swapped or given a checkpointed forward (by an earlier call)."""
+    return isinstance(module, CheckpointedSequential) or isinstance(
+        module.__dict__.get("forward"), CheckpointedForward
+    )
+
+
+def _is_innermost_stack(module: nn.Module) -> bool:
+    """A stack holding no other stack and nothing checkpointed already
+    (checkpoints do not nest, also over two calls)."""
+    return _is_stack(module) and not any(
+        _is_stack(m) or _checkpointed(m) for m in module.modules() if m is not module
+    )

@@ -1,0 +1,251 @@
+"""checkpoint_blocks: the innermost stacks of repeated blocks are checkpointed in
+place (nn.Sequential stacks swapped, nn.ModuleList blocks given a checkpointed
+forward), bitwise the plain run, with the model's keys and objects unchanged."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import pickle
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import seqckpt
+from seqckpt import CheckpointedForward, CheckpointedSequential
+from tests.counting import OpCounter
+from tests.oracle import assert_matches_plain
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.GELU())
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.body(x))
+
+
+class Net(nn.Module):
+    """A stem, stages of repeated blocks, and a stack of stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Linear(6, 6), nn.Tanh())  # mixed: stays
+        self.stages = nn.Sequential(
+            nn.Sequential(Block(), Block(), Block()), nn.Sequential(Block(), Block())
+        )
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def test_checkpoint_blocks_swaps_the_innermost_stacks_in_place() -> None:
+    model = Net()
+    blocks = list(model.stages.modules())
+    keys = list(model.state_dict())
+    assert seqckpt.checkpoint_blocks(model, segments=3, policy="compute_heavy") is model
+    assert type(model.stem) is nn.Sequential and type(model.stages) is nn.Sequential
+    stages = list(model.stages)
+    assert all(isinstance(s, CheckpointedSequential) for s in stages)
+    assert [s.segments for s in stages] == [3, 2]  # capped at each stack's length
+    assert all(s.policy == stages[0].policy is not None for s in stages)
+    assert [m for m in model.stages.modules() if not isinstance(m, nn.Sequential)] == [
+        m for m in blocks if not isinstance(m, nn.Sequential)
+    ]  # the same block objects
+    assert list(model.state_dict()) == keys
+    x = torch.randn(5, 6, requires_grad=True)
+    assert_matches_plain(Net(), x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
+
+
+def test_checkpoint_blocks_on_a_stack_itself_and_where_there_is_none() -> None:
+    stack = nn.Sequential(Block(), Block())
+    wrapped = seqckpt.checkpoint_blocks(stack, segments=2)
+    assert type(wrapped) is CheckpointedSequential and wrapped.segments == 2
+    assert list(wrapped) == list(stack)
+    mixed = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 2))
+    with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
+        assert seqckpt.checkpoint_blocks(mixed) is mixed
+    assert type(mixed) is nn.Sequential
+    model = seqckpt.checkpoint_blocks(Net())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # swapped already: nothing to say
+        seqckpt.checkpoint_blocks(model)
+    # nor to swap: the stack of (now checkpointed) stacks stays as it is
+    assert type(model.stages) is nn.Sequential
+
+
+@pytest.mark.parametrize(
+    ("model", "segments", "pattern"),
+    [
+        ("not a module", None, "argument 'model' must be an nn.Module"),
+        (nn.Sequential(Block(), Block()), 0, "argument 'segments' must be an int"),
+        (nn.Sequential(Block(), Block()), True, "argument 'segments' must be an int"),
+    ],
+)
+def test_checkpoint_blocks_errors(model: Any, segments: Any, pattern: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=pattern):
+        seqckpt.checkpoint_blocks(model, segments)
+
+
+# ------------------------------------------------------ nn.ModuleList stacks
+
+
+class Layer(nn.Module):
+    """A transformer-ish layer called as HF calls its layers: a keyword
+    argument, a tuple out, dropout inside; counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(6, 12), nn.Linear(12, 6)
+        self.norm = nn.LayerNorm(6)
+        self.drop = nn.Dropout(0.2)
+        self.forwards = 0
+
+    def forward(
+        self, x: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.forwards += 1
+        h = self.down(self.drop(torch.relu(self.up(self.norm(x)))))
+        if scale is not None:
+            h = h * scale
+        return x + h, h.detach().abs().mean()
+
+
+class LoopNet(nn.Module):
+    """nanoGPT's shape: the forward loops over an nn.ModuleList of layers."""
+
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 6)
+        self.layers = nn.ModuleList(Layer() for _ in range(n))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        scale = torch.full((6,), 0.5)
+        for layer in self.layers:
+            x, _ = layer(x, scale=scale)
+        return self.head(x)
+
+
+def test_module_list_blocks_are_checkpointed_in_place() -> None:
+    model = LoopNet()
+    layers, keys = list(model.layers), list(model.state_dict())
+    assert seqckpt.checkpoint_blocks(model) is model
+    assert type(model.layers) is nn.ModuleList and list(model.layers) == layers
+    assert list(model.state_dict()) == keys
+    assert all(isinstance(m.__dict__["forward"], CheckpointedForward) for m in layers)
+    x = torch.randn(4, 6, requires_grad=True)
+    model(x).sum().backward()  # each layer's forward runs again in backward
+    assert [m.forwards for m in layers] == [2, 2, 2]
+    assert_matches_plain(LoopNet(), x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
+
+
+def test_a_second_call_and_a_copy_checkpoint_once() -> None:
+    model = seqckpt.checkpoint_blocks(LoopNet())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # done already: nothing to say or redo
+        seqckpt.checkpoint_blocks(model)
+    x = torch.randn(4, 6, requires_grad=True)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert all(m.__dict__["forward"].module is m for m in twin.layers)
+        twin(x).sum().backward()
+        assert [m.forwards for m in twin.layers] == [2, 2, 2]  # once each, again once
+        assert all(p.grad is not None for p in twin.parameters())
+        assert all(p.grad is None for p in model.parameters())
+
+
+def test_module_list_blocks_run_plainly_in_eval_and_without_grad() -> None:
+    model = seqckpt.checkpoint_blocks(LoopNet())
+    x = torch.randn(4, 6, requires_grad=True)
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x).sum().backward()
+    assert [m.forwards for m in model.layers] == [2, 2, 2]  # no recompute
+
+
+def test_module_list_blocks_take_the_options_and_keep_their_hooks() -> None:
+    model = LoopNet()
+    calls: list[int] = []
+    model.layers[0].register_forward_hook(lambda *_: calls.append(1))
+    seqckpt.checkpoint_blocks(model, policy="compute_heavy")
+    y = model(torch.randn(4, 6, requires_grad=True))
+    with OpCounter() as counter:
+        y.sum().backward()
+    assert "addmm" not in counter.counts  # kept, not recomputed
+    assert counter.counts["relu"] == 3  # each layer's activation, recomputed
+    assert calls == [1]  # the block's own hook runs once, not in the recompute
+    with pytest.raises(ValueError, match="argument 'determinism_check'"):
+        seqckpt.checkpoint_blocks(LoopNet(), determinism_check="sometimes")
+
+
+def doubled_input(layer: Layer, x: torch.Tensor, scale: Any = None) -> Any:
+    return Layer.forward(layer, 2 * x, scale)
+
+
+def loop_net_with_a_forward_of_its_own() -> LoopNet:
+    model = LoopNet()
+    model.layers[1].forward = functools.partial(doubled_input, model.layers[1])
+    return model
+
+
+def test_a_block_with_a_forward_of_its_own_keeps_it() -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+    assert_matches_plain(
+        loop_net_with_a_forward_of_its_own,
+        x,
+        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
+    )
+
+
+def test_mixed_module_lists_are_not_stacks() -> None:
+    mixed = nn.ModuleList([nn.Linear(6, 6), nn.ReLU()])
+    with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
+        seqckpt.checkpoint_blocks(mixed)
+    assert "forward" not in mixed[0].__dict__
+    same = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+    seqckpt.checkpoint_blocks(same)  # the list itself is the stack
+    assert all(isinstance(m.__dict__["forward"], CheckpointedForward) for m in same)
+
+
+class ScriptedLoop(nn.Module):
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def scripted_loop() -> ScriptedLoop:
+    # GELU, not Tanh: TorchScript's optimised executor differentiates tanh with
+    # its own formula, so two plain runs of fresh scripted tanh blocks already
+    # differ in the last bit (whichever compiled graph its cache hands out)
+    torch.manual_seed(0)
+    return ScriptedLoop(
+        [torch.jit.script(nn.Sequential(nn.Linear(6, 6), nn.GELU())) for _ in range(3)]
+    )
+
+
+def test_scripted_blocks_are_checkpointed_and_scripting_after_is_refused() -> None:
+    model = seqckpt.checkpoint_blocks(scripted_loop())
+    y = model(torch.randn(4, 6, requires_grad=True))
+    with OpCounter() as counter:
+        y.sum().backward()
+    assert counter.counts["addmm"] == 3  # each block's linear, recomputed
+    torch.jit.script(model)  # its blocks are compiled already: fine
+    x = torch.randn(4, 6, requires_grad=True)
+    assert_matches_plain(scripted_loop, x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
+    with pytest.raises(TypeError, match="seqckpt: torch.jit.script cannot compile"):
+        torch.jit.script(seqckpt.checkpoint_blocks(LoopNet()))
