@@ -56,6 +56,20 @@ class _FunctionalChain(nn.Module):
         return out
 
 
+class _LoopChain(nn.Module):
+    """A model whose forward loops over its blocks in an nn.ModuleList
+    (checkpointed by seqckpt.checkpoint_blocks: each block a region)."""
+
+    def __init__(self, stack: nn.Sequential) -> None:
+        super().__init__()
+        self.stack = nn.ModuleList(stack)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.stack:
+            x = block(x)
+        return x
+
+
 def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
     if kind == "module":
         return seqckpt.CheckpointedSequential.from_sequential(model, segments=3)
@@ -65,6 +79,8 @@ def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
         return seqckpt.CheckpointedSequential.from_sequential(
             model, segments=NESTED_PLAN
         )
+    if kind == "blocks":
+        return seqckpt.checkpoint_blocks(_LoopChain(model))
     raise ValueError(kind)
 
 

@@ -52,7 +52,7 @@ def run_two_ranks(engine: str, kind: str, options: dict[str, Any]) -> None:
                 process.join(5)
 
 
-@pytest.mark.parametrize("kind", ["module", "function", "plan"])
+@pytest.mark.parametrize("kind", ["module", "function", "plan", "blocks"])
 @pytest.mark.parametrize(
     "options",
     [
@@ -68,7 +68,7 @@ def test_ddp_gradients_equal_a_single_process(
     run_two_ranks("ddp", kind, options)
 
 
-@pytest.mark.parametrize("kind", ["module", "plan"])
+@pytest.mark.parametrize("kind", ["module", "plan", "blocks"])
 def test_fsdp2_gradients_equal_plain_fsdp2(kind: str) -> None:
     run_two_ranks("fsdp", kind, {})
 
