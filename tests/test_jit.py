@@ -320,3 +320,38 @@ def test_compiled_checkpoints_do_not_recompile() -> None:
         with torch._dynamo.config.patch(error_on_recompile=True):
             for _ in range(3):
                 compiled(torch.randn(4, 16, requires_grad=True)).sum().backward()
+
+
+def test_compiled_module_list_blocks_recompute() -> None:
+    """A model looping over an nn.ModuleList checkpointed by checkpoint_blocks
+    compiles with fullgraph=True, and its compiled backward runs each block's
+    inner tanh again (each block's CheckpointedForward becomes torch's
+    checkpoint; a block's last tanh is the next block's input, kept anyway)."""
+    import seqckpt
+
+    class Loop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(tanh_chain(2) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    tanhs = {}
+    for checkpointed in (False, True):
+        model = Loop()
+        if checkpointed:
+            seqckpt.checkpoint_blocks(model)
+        graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            model, fullgraph=True, backend=recording_backend(graphs)
+        )
+        x = torch.randn(4, 16, requires_grad=True)
+        out = compiled(x)
+        out.sum().backward()
+        assert torch.allclose(out, Loop()(x))
+        tanhs[checkpointed] = count(graphs["backward"][0], torch.ops.aten.tanh.default)
+    assert tanhs == {False: 0, True: 3}
