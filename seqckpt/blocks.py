@@ -173,6 +173,18 @@ def checkpoint_blocks(
             "seqckpt.checkpoint(block, x) in its forward.",
             stacklevel=2,
         )
+    own = next((m for m in model.modules() if _checkpoints_itself(m)), None)
+    if own is not None and (sequentials or lists):
+        warnings.warn(
+            f"seqckpt: {type(own).__name__} in {type(model).__name__} has its own "
+            "checkpointing on (HF's gradient_checkpointing or timm's "
+            "grad_checkpointing flag), so its blocks would be checkpointed twice, "
+            "nested (each recompute run again inside another). Turn that off "
+            "(model.gradient_checkpointing_disable(), or set_grad_checkpointing("
+            "False)) and keep checkpoint_blocks, or use the library's own with "
+            "seqckpt as its checkpoint function (see the README).",
+            stacklevel=2,
+        )
     for parent, name, stack in sequentials:
         setattr(parent, name, swapped(stack))
     for blocks in lists:
@@ -193,6 +205,15 @@ def _not_scriptable(name: str) -> None:
         "it a checkpointed forward (a Python object). Script the blocks before "
         "calling checkpoint_blocks (scripted blocks are checkpointed too), script "
         "a model without checkpointing, or use torch.compile."
+    )
+
+
+def _checkpoints_itself(module: nn.Module) -> bool:
+    """A module whose own code checkpoints its blocks: HF's layers with
+    ``gradient_checkpointing`` set, a timm model with ``grad_checkpointing``."""
+    return any(
+        module.__dict__.get(flag) is True
+        for flag in ("gradient_checkpointing", "grad_checkpointing")
     )
 
 

@@ -249,3 +249,16 @@ def test_scripted_blocks_are_checkpointed_and_scripting_after_is_refused() -> No
     assert_matches_plain(scripted_loop, x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
     with pytest.raises(TypeError, match="seqckpt: torch.jit.script cannot compile"):
         torch.jit.script(seqckpt.checkpoint_blocks(LoopNet()))
+
+
+@pytest.mark.parametrize("flag", ["gradient_checkpointing", "grad_checkpointing"])
+def test_a_model_checkpointing_itself_is_warned_about(flag: str) -> None:
+    # HF's layers carry gradient_checkpointing, timm's models grad_checkpointing:
+    # with either on, checkpoint_blocks would nest checkpoints
+    model = LoopNet()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seqckpt.checkpoint_blocks(LoopNet())  # flags off (or absent): quiet
+    setattr(model.layers[0] if flag.startswith("gradient") else model, flag, True)
+    with pytest.warns(UserWarning, match="has its own checkpointing on"):
+        seqckpt.checkpoint_blocks(model)
