@@ -222,7 +222,8 @@ def _is_stack(module: nn.Module) -> bool:
     if type(module) not in (nn.Sequential, nn.ModuleList):
         return False
     blocks = list(module._modules.values())  # a shared block as often as it is there
-    return len(blocks) >= 2 and len({type(m) for m in blocks}) == 1
+    kinds = {type(m) for m in blocks}
+    return len(blocks) >= 2 and len(kinds) == 1 and blocks[0] is not None
 
 
 def _checkpointed(module: nn.Module) -> bool:
