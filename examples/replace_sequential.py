@@ -1,9 +1,11 @@
-"""Replace the nn.Sequential parts of an existing model with CheckpointedSequential.
+"""Checkpoint the stacks of blocks of an existing model, in place.
 
 A ResNet-style model keeps its stages in nn.Sequential attributes; a transformer
-keeps its blocks in one. Swapping them for CheckpointedSequential keeps every
-parameter object and every state_dict key, so optimisers and saved checkpoints
-carry over unchanged.
+keeps its blocks in one, or (nanoGPT) in an nn.ModuleList its forward loops
+over. seqckpt.checkpoint_blocks swaps the former for CheckpointedSequential and
+gives each block of the latter a checkpointed forward; either way every
+parameter object and every state_dict key stays, so optimisers and saved
+checkpoints carry over unchanged.
 """
 
 import copy
@@ -55,14 +57,55 @@ encoder = CheckpointedSequential(
 )
 encoder(torch.randn(2, 5, 32)).sum().backward()
 
+
+class TinyGPT(nn.Module):
+    """nanoGPT's shape: the forward loops over an nn.ModuleList of blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.h = nn.ModuleList(
+            nn.TransformerEncoderLayer(32, 4, 128, dropout=0.1, batch_first=True)
+            for _ in range(4)
+        )
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.h:
+            x = block(x)
+        return self.head(x)
+
+
+gpt = TinyGPT()
+gpt_reference = copy.deepcopy(gpt)
+seqckpt.checkpoint_blocks(gpt)  # each block of gpt.h becomes a region
+tokens = torch.randint(0, 64, (8, 48))
+
+
+def step(net: nn.Module, inputs: torch.Tensor) -> int:
+    """One training step from a fixed seed; the peak bytes it allocated."""
+    torch.manual_seed(1)  # the same dropout masks in both runs
+    with seqckpt.track_memory("cpu") as mem:
+        net(inputs).float().sum().backward()
+    return mem.peak_bytes
+
+
 x = torch.randn(4, 3, 16, 16)
-model(x).sum().backward()
-reference(x).sum().backward()
+step(model, x)
+step(reference, x)
+gpt_peak, plain_peak = step(gpt, tokens), step(gpt_reference, tokens)
 same = all(
     torch.equal(a.grad, b.grad)
-    for a, b in zip(model.parameters(), reference.parameters(), strict=False)
+    for a, b in zip(
+        [*model.parameters(), *gpt.parameters()],
+        [*reference.parameters(), *gpt_reference.parameters()],
+        strict=True,
+    )
 ) and all(
-    torch.equal(a, b)
-    for a, b in zip(model.buffers(), reference.buffers(), strict=False)
+    torch.equal(a, b) for a, b in zip(model.buffers(), reference.buffers(), strict=True)
 )
 print(f"gradients and BatchNorm statistics bitwise equal: {same}")
+print(
+    f"TinyGPT peak: {plain_peak / 2**20:.2f} MiB plain, {gpt_peak / 2**20:.2f} MiB checkpointed"
+)

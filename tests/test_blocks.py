@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import functools
 import pickle
+import runpy
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -262,3 +264,10 @@ def test_a_model_checkpointing_itself_is_warned_about(flag: str) -> None:
     setattr(model.layers[0] if flag.startswith("gradient") else model, flag, True)
     with pytest.warns(UserWarning, match="has its own checkpointing on"):
         seqckpt.checkpoint_blocks(model)
+
+
+def test_the_example_replacing_a_models_stacks() -> None:
+    path = Path(__file__).parent.parent / "examples" / "replace_sequential.py"
+    result = runpy.run_path(str(path))
+    assert result["same"] is True
+    assert result["gpt_peak"] < 0.5 * result["plain_peak"]  # four blocks, one live
