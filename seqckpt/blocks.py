@@ -90,7 +90,7 @@ def checkpoint_blocks(
     - ``nn.ModuleList`` stacks (nanoGPT's ``transformer.h``, torchvision's
       MaxViT ``layers``) are looped over by the parent's forward: each block
       gets a :class:`CheckpointedForward`, so every call of it is a region of
-      its own (``segments`` does not apply; the block's hooks still run once
+      its own (``segments`` does not apply, and says so; the block's hooks run once
       per call). Arguments and results may be anything a region takes
       (keywords, tuples).
 
@@ -171,6 +171,13 @@ def checkpoint_blocks(
             "its trunk yourself, e.g. model.features = "
             "CheckpointedSequential.from_sequential(model.features), or call "
             "seqckpt.checkpoint(block, x) in its forward.",
+            stacklevel=2,
+        )
+    if segments is not None and lists:
+        warnings.warn(
+            f"seqckpt: segments={segments} applies to nn.Sequential stacks; the "
+            f"nn.ModuleList stacks in {type(model).__name__} are looped over by "
+            "its own forward, so each of their blocks is a region of its own.",
             stacklevel=2,
         )
     own = next((m for m in model.modules() if _checkpoints_itself(m)), None)

@@ -151,6 +151,15 @@ def test_module_list_blocks_are_checkpointed_in_place() -> None:
     assert_matches_plain(LoopNet(), x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
 
 
+def test_segments_for_module_list_stacks_are_said_not_to_apply() -> None:
+    model = LoopNet()
+    with pytest.warns(UserWarning, match="segments=2 applies to nn.Sequential"):
+        seqckpt.checkpoint_blocks(model, segments=2)
+    assert all(
+        isinstance(m.__dict__["forward"], CheckpointedForward) for m in model.layers
+    )
+
+
 def test_a_second_call_and_a_copy_checkpoint_once() -> None:
     model = seqckpt.checkpoint_blocks(LoopNet())
     with warnings.catch_warnings():
