@@ -14,6 +14,7 @@ block's attributes and every ``state_dict`` key stay as they were.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any
 
@@ -27,37 +28,41 @@ __all__ = ["CheckpointedForward", "checkpoint_blocks"]
 
 
 class CheckpointedForward:
-    """A block's forward, checkpointed: set as the block's ``forward`` by
-    :func:`checkpoint_blocks`, so each call of the block (through
-    ``nn.Module.__call__``, with its hooks) runs as one region in training
-    mode with grad enabled, and plainly otherwise. The recompute runs the
-    block's own forward, not its hooks: they run once per call, as without
-    checkpointing.
+    """A module's forward, checkpointed: set as the module's ``forward``
+    (:func:`checkpoint_blocks` does it for the blocks of ``nn.ModuleList``
+    stacks), so each call of the module (through ``nn.Module.__call__``, with
+    its hooks) runs as one region in training mode with grad enabled, and
+    plainly otherwise. The recompute runs the module's own forward, not its
+    hooks: they run once per call, as without checkpointing. Set on one
+    module, it is seqckpt's stand-in for
+    ``torch.distributed._composable.checkpoint(module)``: the module keeps its
+    place, name and ``state_dict`` keys (no wrapper).
 
-    Attributes:
-        module: the block.
-        options: the checkpoint options of its regions.
-        forward: the forward it replaces where the block had one of its own
-            (an instance attribute); None: its class's.
+    Args:
+        module: the module whose forward it replaces (the class's, or one the
+            module holds as an attribute already).
+        **options: keywords of :func:`seqckpt.checkpoint` for its regions
+            (``policy``, ``determinism_check``, ``preserve_rng_state``, ...).
 
     Example:
         >>> import torch, seqckpt
         >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
-        >>> block.forward = seqckpt.CheckpointedForward(block)
+        >>> block.forward = seqckpt.CheckpointedForward(block, policy="compute_heavy")
         >>> block(torch.randn(2, 4, requires_grad=True)).sum().backward()
     """
 
     __slots__ = ("module", "options", "forward")
 
-    def __init__(self, module: nn.Module, options: Options | None = None) -> None:
+    def __init__(self, module: nn.Module, **options: Any) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
                 "seqckpt: CheckpointedForward takes the nn.Module whose forward it "
                 f"replaces, got {type(module).__name__}."
             )
         self.module = module
-        self.options = make_options() if options is None else options
+        self.options = _checked_options(options, "CheckpointedForward")
         own = module.__dict__.get("forward")
+        # (set again on a module that has one already: it replaces that one)
         self.forward = None if isinstance(own, CheckpointedForward) else own
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -144,9 +149,8 @@ def checkpoint_blocks(
         return CheckpointedSequential.from_sequential(stack, k, **options)
 
     # (an error in the options shows here, before anything is changed)
-    block_options = make_options(
-        **{k: v for k, v in options.items() if k != "memory_budget"}
-    )
+    block_options = {k: v for k, v in options.items() if k != "memory_budget"}
+    _checked_options(block_options, "checkpoint_blocks")
     if _is_innermost_stack(model) and isinstance(model, nn.Sequential):
         return swapped(model)
     sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
@@ -196,7 +200,7 @@ def checkpoint_blocks(
         setattr(parent, name, swapped(stack))
     for blocks in lists:
         for block in blocks:
-            block.forward = CheckpointedForward(block, block_options)
+            block.forward = CheckpointedForward(block, **block_options)
             if not isinstance(block, torch.jit.ScriptModule):
                 # torch.jit.script asks this first (and would fail obscurely
                 # on the forward above); a scripted block is compiled already
@@ -204,6 +208,19 @@ def checkpoint_blocks(
                     _not_scriptable, type(block).__name__
                 )
     return model
+
+
+_OPTION_NAMES = frozenset(inspect.signature(make_options).parameters)
+
+
+def _checked_options(options: dict[str, Any], who: str) -> Options:
+    unknown = sorted(set(options) - _OPTION_NAMES)
+    if unknown:
+        raise TypeError(
+            f"seqckpt: {who} got unknown option(s) {', '.join(unknown)}; it takes "
+            f"seqckpt.checkpoint's keywords: {', '.join(sorted(_OPTION_NAMES))}."
+        )
+    return make_options(**options)
 
 
 def _not_scriptable(name: str) -> None:

@@ -197,6 +197,10 @@ def test_module_list_blocks_take_the_options_and_keep_their_hooks() -> None:
     assert calls == [1]  # the block's own hook runs once, not in the recompute
     with pytest.raises(ValueError, match="argument 'determinism_check'"):
         seqckpt.checkpoint_blocks(LoopNet(), determinism_check="sometimes")
+    with pytest.raises(TypeError, match="seqckpt: checkpoint_blocks got unknown op"):
+        seqckpt.checkpoint_blocks(LoopNet(), polcy="compute_heavy")
+    with pytest.raises(TypeError, match="seqckpt: CheckpointedForward got unknown"):
+        CheckpointedForward(Layer(), segments=2)
 
 
 def doubled_input(layer: Layer, x: torch.Tensor, scale: Any = None) -> Any:
