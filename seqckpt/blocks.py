@@ -95,13 +95,15 @@ def checkpoint_blocks(
     - ``nn.ModuleList`` stacks (nanoGPT's ``transformer.h``, torchvision's
       MaxViT ``layers``) are looped over by the parent's forward: each block
       gets a :class:`CheckpointedForward`, so every call of it is a region of
-      its own (``segments`` does not apply, and says so; the block's hooks run once
-      per call). Arguments and results may be anything a region takes
-      (keywords, tuples).
+      its own (``segments`` does not apply, and a warning says so; the
+      block's hooks run once per call). Arguments and results may be anything
+      a region takes (keywords, tuples).
 
-    This is seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``;
-    leave that off. HF transformers models checkpoint their layers themselves:
-    give them seqckpt's function instead (see the README).
+    This is seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``
+    and HF's ``gradient_checkpointing_enable()``; leave those off (it warns
+    where one is on: the blocks would be checkpointed twice, nested). On HF
+    decoders pass ``use_cache=False`` in training, as HF's own checkpointing
+    does (the recompute would append to the cache a second time).
 
     Args:
         model: any module.
