@@ -70,6 +70,14 @@ class CheckpointedForward:
         forward = self.forward or type(module).forward.__get__(module)
         if not (module.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
+        if kwargs and any(_is_cache(kwargs.get(k)) for k in _CACHES):
+            warnings.warn(
+                f"seqckpt: checkpointed {type(module).__name__} was given a "
+                "key/value cache in training; its recompute appends to the cache "
+                "a second time (gradients are not affected, the cache is). Pass "
+                "use_cache=False, as HF's own checkpointing does.",
+                stacklevel=3,
+            )
         return run_region(
             forward, args, kwargs, self.options, [module], type(module).__name__
         )
@@ -213,6 +221,17 @@ def checkpoint_blocks(
 
 
 _OPTION_NAMES = frozenset(inspect.signature(make_options).parameters)
+
+# the keyword arguments HF transformers' layers take their key/value cache by
+_CACHES = ("cache", "past_key_values", "past_key_value")
+
+
+def _is_cache(value: object) -> bool:
+    """A cache object its layers append to (HF's ``DynamicCache`` and the
+    other ``Cache`` classes; a legacy tuple of tensors is never changed)."""
+    return value is not None and any(
+        c.__name__.endswith("Cache") for c in type(value).__mro__
+    )
 
 
 def _checked_options(options: dict[str, Any], who: str) -> Options:
