@@ -36,7 +36,8 @@ class KeptOutput:
         call: which call of that op in the region (0: the first).
         place: its position among all the ops of the region's forward.
         shapes: the shape of each tensor the op returned.
-        dtype: the dtype of its (first) tensor.
+        dtype: the dtype of its (first) tensor; None for an op that returns
+            a number (``aten::_local_scalar_dense``, behind ``.item()``).
         nbytes: bytes of the distinct storages it holds that would be alive
             without it (not those of a parameter, buffer or input it is a view
             of).
@@ -47,7 +48,7 @@ class KeptOutput:
     call: int
     place: int
     shapes: tuple[tuple[int, ...], ...]
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     nbytes: int
     label: str | None = None
 
@@ -78,7 +79,7 @@ class KeptReport:
         rows = [("place", "op", "call", "shape", "dtype", "KiB", "name")]
         for o in self.outputs:
             shape = ", ".join(str(tuple(s)) for s in o.shapes)
-            dtype = str(o.dtype).removeprefix("torch.")
+            dtype = str(o.dtype).removeprefix("torch.") if o.dtype else "-"
             rows.append(
                 (
                     str(o.place),
@@ -193,7 +194,7 @@ def what_is_kept(
                 call,
                 place,
                 tuple(tuple(t.shape) for t in tensors),
-                tensors[0].dtype,
+                tensors[0].dtype if tensors else None,
                 new_bytes(out),
                 mode.labels.get((func, call)),
             )

@@ -123,3 +123,15 @@ def test_what_the_run_changes_is_put_back() -> None:
 def test_a_policy_is_needed() -> None:
     with pytest.raises(ValueError, match=r"seqckpt: what_is_kept\(\) needs a policy"):
         seqckpt.what_is_kept(nn.Linear(2, 2), torch.randn(1, 2), policy=None)
+
+
+def test_ops_returning_lists_and_numbers_are_listed() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.split(x, 2, dim=1)
+        return (a * a.sum().item() + b).tanh()
+
+    report = seqckpt.what_is_kept(f, torch.randn(3, 4), policy=keep_everything)
+    by_op = {o.op: o for o in report.outputs}
+    assert by_op["aten::split"].shapes == ((3, 2), (3, 2))
+    assert by_op["aten::_local_scalar_dense"].dtype is None  # .item(): a number
+    assert "aten::_local_scalar_dense" in str(report)
