@@ -408,16 +408,69 @@ def uncounted_op(func: Any, args: Any) -> bool:
     return False
 
 
+# (generator, its state): the CPU generator's state tensor, or (seed, offset)
+# of a CUDA generator
+GeneratorStates = tuple[tuple[torch.Generator, Any], ...]
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def rng_after(func: Any, kwargs: dict[str, Any], out: Any) -> GeneratorStates | None:
+    """For a random op (dropout, ``torch.rand``, attention that may apply
+    dropout) that just ran: the state of every generator it may have drawn
+    from, to be put in place where the recompute is served its output instead
+    of running it. Without that, the random ops after it in the recompute
+    would draw other numbers than in the forward (another dropout mask: wrong
+    gradients, no error; torch's selective checkpointing does that). ``()``
+    for an op that draws nothing; None where the generator cannot be read
+    back (an accelerator other than CUDA): such an op is not kept."""
+    if _SEEDED not in func.tags:
+        return ()
+    given = kwargs.get("generator")
+    generators = [given] if given is not None else [torch.default_generator]
+    if given is None:
+        for t in _tensors(out):
+            if t.device.type == "cuda":
+                index = t.device.index
+                generators.append(
+                    torch.cuda.default_generators[
+                        torch.cuda.current_device() if index is None else index
+                    ]
+                )
+            elif t.device.type not in ("cpu", "meta"):
+                return None
+    states: list[tuple[torch.Generator, Any]] = []
+    for g in dict.fromkeys(generators):  # (each once, in order)
+        if g.device.type == "cuda":
+            states.append((g, (g.initial_seed(), g.get_offset())))
+        elif g.device.type == "cpu":
+            states.append((g, g.get_state()))
+        else:
+            return None
+    return tuple(states)
+
+
+def _put_rng(states: GeneratorStates) -> None:
+    for g, state in states:
+        if g.device.type == "cuda":
+            g.manual_seed(state[0])
+            g.set_offset(state[1])
+        else:
+            g.set_state(state)
+
+
 class Kept:
     """What one region's forward kept: op outputs by (op, call number), with
     their versions so an output changed in place is never served, and the
-    op's place among all the ops of the forward (see :class:`Serving`)."""
+    op's place among all the ops of the forward (see :class:`Serving`); for a
+    kept op that draws random numbers, the state of the generators it may
+    draw from right after it ran (see :func:`rng_after`)."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "rng")
 
     def __init__(self) -> None:
         # (op, call number) -> (output, its versions, place among all ops)
         self.entries: dict[tuple[Any, int], tuple[Any, list[int], int]] = {}
+        self.rng: dict[tuple[Any, int], GeneratorStates] = {}
 
     def forget_written(self, written: list[torch.Tensor]) -> None:
         """Drop the kept outputs whose memory an op just wrote into.
@@ -471,9 +524,12 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self.place = 0  # ops seen so far
         self.labels: dict[tuple[Any, int], str] = {}  # kept by seqckpt.name
         # id -> (op, call number, place, the tensor, its version when the op
-        # made it)
+        # made it, the generators' states after it (see rng_after))
         self.by_tensor: dict[
-            int, tuple[Any, int, int, weakref.ref[torch.Tensor], int]
+            int,
+            tuple[
+                Any, int, int, weakref.ref[torch.Tensor], int, GeneratorStates | None
+            ],
         ] = {}
 
     def __torch_dispatch__(
@@ -496,11 +552,19 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             # write, and later ops read the tensor it writes, not its output.
             return out
         if self.policy.keeps(func, args, kwargs):
+            rng = rng_after(func, kwargs, out)
+            if rng is None:
+                return out
             detached = _detached(out)
             self.kept.entries[(func, call)] = (detached, _versions(detached), place)
+            if rng:
+                self.kept.rng[(func, call)] = rng
         elif self.policy.names:
+            rng = rng_after(func, kwargs, out)
             for t in _tensors(out):  # remembered in case it is named later
-                self.by_tensor[id(t)] = (func, call, place, weakref.ref(t), t._version)
+                self.by_tensor[id(t)] = (
+                    func, call, place, weakref.ref(t), t._version, rng
+                )  # fmt: skip
         return out
 
     def name(self, t: torch.Tensor, label: str) -> None:
@@ -516,10 +580,12 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
             found = self.by_tensor.get(id(tensor))
             if found is None:
                 continue
-            func, call, place, ref, version = found
-            if ref() is tensor and tensor._version == version:
+            func, call, place, ref, version, rng = found
+            if ref() is tensor and tensor._version == version and rng is not None:
                 detached = tensor.detach()
                 self.kept.entries[(func, call)] = (detached, [version], place)
+                if rng:
+                    self.kept.rng[(func, call)] = rng
                 self.labels[(func, call)] = label
 
 
@@ -563,6 +629,10 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         if entry is not None:
             out, versions, kept_at = entry
             if kept_at == place and _versions(out) == versions:
+                take = self.kept.rng.pop if self.consume else self.kept.rng.get
+                rng = take((func, call), None)
+                if rng is not None:  # as if it had drawn its numbers again
+                    _put_rng(rng)
                 # Left in the cache (a recompute inside the forward), it is
                 # served again later: hand out an alias, as autograd makes a
                 # served view op's output a view of its base (metadata it

@@ -732,3 +732,79 @@ def test_two_callables_are_two_policies_however_they_print() -> None:
     assert as_policy(torch_keeps_gelu) == as_policy(torch_keeps_gelu)
     measured = seqckpt.profile(mlp(), torch.randn(6, 8), policies=[None, first, second])
     assert tuple(measured.policies) == (first, second)
+
+
+class DrawThenDraw(nn.Module):
+    """An out-of-place draw (stochastic depth's ``torch.rand``), named, then
+    more draws from the same generator: dropout (default generator) or a
+    second ``torch.rand`` (a generator of the module's own)."""
+
+    def __init__(self, own: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.gen = torch.Generator().manual_seed(5) if own else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        noise = seqckpt.name(torch.rand(h.shape[0], 1, generator=self.gen), "draw")
+        h = torch.tanh(h * (0.9 + noise).floor())
+        if self.gen is None:
+            return self.drop(h)
+        return h * torch.rand(h.shape, generator=self.gen)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["default_generator", "own"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        [aten.rand],
+        lambda op, *a, **k: op is aten.rand.generator or op is aten.rand.default,
+        lambda op, *a, **k: True,
+        names("draw"),
+    ],
+    ids=["ops", "callable", "everything", "names"],
+)
+def test_a_kept_random_draw_leaves_its_generator_as_it_did(
+    own: bool, policy: Any
+) -> None:
+    # Served instead of drawn again, a kept draw must still move its generator
+    # on as it did in the forward; otherwise every later draw of the recompute
+    # (dropout's mask) differs from the forward's: wrong gradients, no error
+    # (torch's selective checkpointing does that).
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(
+        lambda: (torch.manual_seed(0), DrawThenDraw(own))[1],
+        x,
+        lambda m, t: checkpoint(m, t, policy=policy),
+    )
+    y = checkpoint(DrawThenDraw(own), x, policy=policy)
+    with OpCounter() as counter:  # the kept draw is served, not drawn again
+        y.sum().backward()
+    # (a names policy keeps the named draw only: the module's second runs again)
+    drawn_again = own and isinstance(policy, Policy) and bool(policy.names)
+    assert counter.counts.get("rand", 0) == int(drawn_again)
+
+
+@pytest.mark.cuda
+def test_kept_cuda_dropout_leaves_the_philox_offset_as_it_did() -> None:
+    # On CUDA dropout is one out-of-place op (native_dropout) drawing from the
+    # device's Philox generator: kept and served, it must still move the
+    # offset on, or the second dropout's recomputed mask is another one.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh()
+    ).cuda()
+    x = torch.randn(16, 8, device="cuda", requires_grad=True)
+
+    def step(policy: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x.grad = None
+        torch.manual_seed(1)
+        y = model(x) if policy is None else checkpoint(model, x, policy=policy)
+        y.sum().backward()
+        return x.grad.clone(), torch.cuda.get_rng_state()
+
+    plain = step(None)
+    for policy in ([aten.native_dropout], lambda op, *a, **k: True):
+        got = step(policy)
+        assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])

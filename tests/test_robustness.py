@@ -120,6 +120,21 @@ class NoiseOfItsOwn(nn.Module):
         return h * torch.rand(h.shape, generator=gen or self.gen)
 
 
+class DropPath(nn.Module):
+    """Stochastic depth as timm and HF write it: an out-of-place draw from the
+    default generator (``torch.rand``), unlike dropout's in-place
+    ``bernoulli_``. A policy that keeps that draw must leave the generator
+    where the draw left it, or later dropout in the region draws other masks."""
+
+    def __init__(self, keep: float = 0.7) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (self.keep + torch.rand(x.shape[0], 1)).floor()
+        return x * mask / self.keep
+
+
 class StatsHook(nn.Module):
     """A statistics hook that skips the recompute (as the README suggests),
     running a mean, as the model does, in the forward only."""
@@ -175,6 +190,7 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
                     "own_noise",
                     "stats_hook",
                     "named_and_written",
+                    "drop_path",
                 ]
             )  # fmt: skip
         )
@@ -200,6 +216,8 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
             items.append(StatsHook(width))
         elif kind == "named_and_written":
             items.append(NamedAndWritten(width))
+        elif kind == "drop_path":
+            items.append(DropPath())
         else:
             items += [Split(), Join(width)]
     torch.manual_seed(draw(st.integers(0, 1000)))
