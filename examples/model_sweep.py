@@ -279,6 +279,47 @@ def transformers_cases() -> list[Case]:
         )
         build = functools.partial(getattr(T, model_class), config)
         cases.append((f"transformers {name}", build, inputs, loss, "hf"))
+    return cases + _transformers_other_inputs(T)
+
+
+def _transformers_other_inputs(T: Any) -> list[Case]:
+    """HF models fed images or audio features: ViT, Swin with stochastic depth
+    (an out-of-place torch.rand in every block, then dropout) and Whisper."""
+    images = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    vision = {"image_size": 32, "num_labels": 3, "hidden_dropout_prob": 0.1,
+              "attention_probs_dropout_prob": 0.1}  # fmt: skip
+    whisper = {
+        "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+        "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "num_mel_bins": 16,
+        "max_source_positions": 20, "max_target_positions": 32, "vocab_size": 100,
+        "decoder_start_token_id": 1, "pad_token_id": 0, "eos_token_id": 2,
+        "bos_token_id": 1, "dropout": 0.1, "attention_dropout": 0.1,
+    }  # fmt: skip
+    specs: list[tuple[str, str, str, dict[str, Any], dict[str, Any], str]] = [
+        ("vit", "ViTConfig", "ViTForImageClassification",
+         {**vision, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+          "intermediate_size": 64, "patch_size": 8}, images, "logits"),
+        ("swin (drop_path)", "SwinConfig", "SwinForImageClassification",
+         {**vision, "patch_size": 2, "embed_dim": 16, "depths": [2, 2], "num_heads": [1, 2],
+          "window_size": 4, "drop_path_rate": 0.1}, images, "logits"),
+        ("whisper", "WhisperConfig", "WhisperForConditionalGeneration", whisper,
+         {"input_features": torch.randn(2, 16, 40), "use_cache": False,
+          "labels": torch.randint(3, 100, (2, 8))}, "loss"),
+    ]  # fmt: skip
+    cases: list[Case] = []
+    for name, config_class, model_class, settings, inputs, out in specs:
+        if not hasattr(T, config_class) or not hasattr(T, model_class):
+            continue
+        build = functools.partial(
+            getattr(T, model_class), getattr(T, config_class)(**settings)
+        )
+        loss = (
+            (lambda o: o.loss.float())
+            if out == "loss"
+            else (lambda o: o.logits.float().sum())
+        )
+        cases.append((f"transformers {name}", build, inputs, loss, "hf"))
     return cases
 
 
