@@ -243,6 +243,18 @@ class RngState:
         for g, state in self.own:
             g.set_state(state)
 
+    def generator_ids(self) -> frozenset[int]:
+        """The generators this state puts back (the CPU's, CUDA's and the
+        region's own), by their C++ object: an op sees a generator it is given
+        through a Python object of its own."""
+        return frozenset(
+            [
+                generator_key(_CPU_GENERATOR),
+                *(generator_key(g) for g, _, _ in self.cuda),
+            ]
+            + [generator_key(g) for g, _ in self.own]
+        )
+
     def current(self) -> RngState:
         """The caller's state now, on the same devices and generators."""
         return RngState.capture(
@@ -251,6 +263,13 @@ class RngState:
 
 
 _GENERATOR = torch.Generator
+
+
+def generator_key(generator: torch.Generator) -> int:
+    """What tells generators apart: their C++ object (an op is handed a
+    generator it is given as a Python object of its own)."""
+    key: int = generator._cdata  # type: ignore[attr-defined]
+    return key
 
 
 def generators_held(objects: Iterable[object], into: list[torch.Generator]) -> None:

@@ -992,7 +992,10 @@ class _Region:
                 extra.enter_context(self.recompute_context)
             if kept is not None:
                 # a recompute inside the forward leaves the cache to the real one
-                extra.enter_context(Serving(kept, consume=not self.in_forward))
+                replayed = self.rng.generator_ids() if self.rng is not None else ()
+                extra.enter_context(
+                    Serving(kept, consume=not self.in_forward, replayed=replayed)
+                )
             if options.debug:
                 log = extra.enter_context(_OpLog())
         caller_rng = self.rng.current() if self.rng is not None else None

@@ -53,6 +53,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from seqckpt._state import generator_key
 from seqckpt._tree import storages_in
 
 __all__ = ["COMPUTE_HEAVY", "Policy", "as_policy", "name", "names", "ops"]
@@ -449,8 +450,13 @@ def rng_after(func: Any, kwargs: dict[str, Any], out: Any) -> GeneratorStates | 
     return tuple(states)
 
 
-def _put_rng(states: GeneratorStates) -> None:
+def _put_rng(states: GeneratorStates, replayed: Collection[int]) -> None:
+    """Put ``states`` in place for the generators among ``replayed`` (a
+    generator the region does not replay, one reached through a global, is
+    left as the caller has it: the draw is served, nothing else changes)."""
     for g, state in states:
+        if generator_key(g) not in replayed:
+            continue
         if g.device.type == "cuda":
             g.manual_seed(state[0])
             g.set_offset(state[1])
@@ -604,10 +610,16 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
 
     counts_ops = True
 
-    def __init__(self, kept: Kept, consume: bool = True) -> None:
+    def __init__(
+        self, kept: Kept, consume: bool = True, replayed: Collection[int] = ()
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.kept = kept
         self.consume = consume
+        # the generators the region replays (and gives the caller back after
+        # the recompute), by their C++ object: only those are moved on for a
+        # served draw
+        self.replayed = replayed
         self.calls: dict[Any, int] = {}
         self.place = 0
 
@@ -632,7 +644,7 @@ class Serving(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
                 take = self.kept.rng.pop if self.consume else self.kept.rng.get
                 rng = take((func, call), None)
                 if rng is not None:  # as if it had drawn its numbers again
-                    _put_rng(rng)
+                    _put_rng(rng, self.replayed)
                 # Left in the cache (a recompute inside the forward), it is
                 # served again later: hand out an alias, as autograd makes a
                 # served view op's output a view of its base (metadata it

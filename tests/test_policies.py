@@ -808,3 +808,29 @@ def test_kept_cuda_dropout_leaves_the_philox_offset_as_it_did() -> None:
     for policy in ([aten.native_dropout], lambda op, *a, **k: True):
         got = step(policy)
         assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+GLOBAL_GENERATOR = torch.Generator()
+
+
+def draws_from_a_global_generator(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x * torch.rand(x.shape, generator=GLOBAL_GENERATOR))
+
+
+def test_a_served_draw_leaves_a_generator_the_region_does_not_replay_alone() -> None:
+    # A generator reached through a global is not replayed (README): its draw,
+    # kept, is served, and the caller's later draws from it are left as they are.
+    x = torch.randn(3, 4, requires_grad=True)
+    results = []
+    for checkpointed in (False, True):
+        GLOBAL_GENERATOR.manual_seed(0)
+        x.grad = None
+        if checkpointed:
+            y = checkpoint(draws_from_a_global_generator, x, policy=[aten.rand])
+        else:
+            y = draws_from_a_global_generator(x)
+        torch.rand(2, generator=GLOBAL_GENERATOR)  # the caller draws on
+        y.sum().backward()
+        results.append((x.grad.clone(), GLOBAL_GENERATOR.get_state()))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
