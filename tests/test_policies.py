@@ -22,7 +22,7 @@ from seqckpt.planner.frontier import TORCH_SAC
 from seqckpt.policies import COMPUTE_HEAVY, Policy, as_policy, names, ops
 from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
-from tests.test_robustness import Copies, chains
+from tests.test_robustness import Copies, chains, plans
 
 aten = torch.ops.aten
 
@@ -74,6 +74,25 @@ def test_policies_on_random_chains(case: Any, form: str, data: st.DataObject) ->
         model,
         x,
         lambda m, t: checkpoint_sequential(m, k, t, policy=POLICIES[form]),
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(chains(), st.data())
+def test_plans_with_a_policy_per_stretch_on_random_chains(
+    case: Any, data: st.DataObject
+) -> None:
+    # every stretch of a random (nested) plan keeps what its own policy says,
+    # none of them the last segment that runs plainly
+    model, width = case
+    forms = (None, *(as_policy(p) for p in POLICIES.values()))
+    plan = data.draw(plans(0, len(model), policies=forms))
+    check = data.draw(st.sampled_from(["default", "values"]))
+    x = torch.randn(3, width, requires_grad=data.draw(st.booleans()))
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: checkpoint_sequential(m, plan, t, determinism_check=check),
     )
 
 

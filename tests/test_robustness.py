@@ -36,6 +36,7 @@ from torch import nn
 import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
 from seqckpt.planner import Plan, PlanError, Recompute, Run
+from seqckpt.policies import Policy
 from tests.oracle import assert_matches_plain
 
 # ------------------------------------------------------------ random chains
@@ -225,14 +226,22 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
 
 
 @st.composite
-def plans(draw: st.DrawFn, start: int, stop: int, depth: int = 0) -> Plan:
-    """A random plan tree over layers start..stop-1, nesting up to depth 2."""
+def plans(
+    draw: st.DrawFn,
+    start: int,
+    stop: int,
+    depth: int = 0,
+    policies: tuple[Policy | None, ...] = (None,),
+) -> Plan:
+    """A random plan tree over layers start..stop-1, nesting up to depth 2,
+    each recomputed stretch keeping one of ``policies``."""
     items: list[Run | Recompute] = []
     at = start
     while at < stop:
         end = draw(st.integers(at + 1, stop))
         if depth < 2 and draw(st.booleans()):
-            items.append(Recompute(at, end, draw(plans(at, end, depth + 1))))
+            inner = draw(plans(at, end, depth + 1, policies))
+            items.append(Recompute(at, end, inner, draw(st.sampled_from(policies))))
         else:
             items.append(Run(at, end))
         at = end
