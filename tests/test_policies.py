@@ -853,3 +853,29 @@ def test_a_served_draw_leaves_a_generator_the_region_does_not_replay_alone() -> 
         results.append((x.grad.clone(), GLOBAL_GENERATOR.get_state()))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.cuda
+def test_kept_cuda_attention_with_dropout_leaves_the_philox_offset_as_it_did() -> None:
+    # compute_heavy keeps fused attention; with dropout_p > 0 it draws from the
+    # device's generator. Served, it must move the offset on, or the dropout
+    # after it draws another mask in the recompute: "values" compares every
+    # saved tensor of the recompute with the forward's (robust to the fused
+    # kernels' nondeterministic backward).
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
+            self.drop = nn.Dropout(0.3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(4, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+            return self.drop(self.out(a.transpose(1, 2).reshape(4, 16, 32)))
+
+    block = Block().cuda()
+    x = torch.randn(4, 16, 32, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # a fused kernel's dtype
+        y = checkpoint(block, x, policy="compute_heavy", determinism_check="values")
+    y.float().sum().backward()  # raised CheckpointError before (another mask)
+    assert x.grad is not None
