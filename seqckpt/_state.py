@@ -243,7 +243,7 @@ class RngState:
         for g, state in self.own:
             g.set_state(state)
 
-    def generator_ids(self) -> frozenset[int]:
+    def generator_keys(self) -> frozenset[int]:
         """The generators this state puts back (the CPU's, CUDA's and the
         region's own), by their C++ object: an op sees a generator it is given
         through a Python object of its own."""

@@ -992,7 +992,7 @@ class _Region:
                 extra.enter_context(self.recompute_context)
             if kept is not None:
                 # a recompute inside the forward leaves the cache to the real one
-                replayed = self.rng.generator_ids() if self.rng is not None else ()
+                replayed = self.rng.generator_keys() if self.rng is not None else ()
                 extra.enter_context(
                     Serving(kept, consume=not self.in_forward, replayed=replayed)
                 )
