@@ -182,10 +182,13 @@ def timm_cases() -> list[Case]:
         ("levit_128s", {}),
         ("coatnet_nano_rw_224", {}),
         ("convnext_atto", {"drop_path_rate": 0.1}),
+        # blocks in nn.ModuleList stacks (a CheckpointedForward each)
+        ("pvt_v2_b0", {"drop_path_rate": 0.1}),
+        ("eva02_tiny_patch14_224", {"drop_path_rate": 0.1}),
     ):
         size = (
             224
-            if any(s in name for s in ("swin", "deit", "mixer", "levit", "coat"))
+            if any(s in name for s in ("swin", "deit", "mixer", "levit", "coat", "eva"))
             else 96
         )
         build = functools.partial(
