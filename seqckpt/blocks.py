@@ -13,6 +13,7 @@ block's attributes and every ``state_dict`` key stay as they were.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import warnings
@@ -217,7 +218,25 @@ def checkpoint_blocks(
                 block.__prepare_scriptable__ = functools.partial(  # type: ignore[assignment]
                     _not_scriptable, type(block).__name__
                 )
+                # DataParallel's replicas copy the block's attributes: each
+                # must get a forward that runs the replica, not the block
+                block._replicate_for_data_parallel = functools.partial(  # type: ignore[method-assign]
+                    _replicate, block
+                )
     return model
+
+
+def _replicate(block: nn.Module) -> nn.Module:
+    """``block``'s replica for ``nn.DataParallel`` (as ``nn.Module`` makes
+    it), with a :class:`CheckpointedForward` of its own."""
+    replica: nn.Module = nn.Module._replicate_for_data_parallel(block)  # type: ignore[no-untyped-call]
+    checkpointed = copy.copy(block.__dict__["forward"])
+    checkpointed.module, checkpointed.forward = replica, None
+    replica.__dict__["forward"] = checkpointed
+    replica.__dict__["_replicate_for_data_parallel"] = functools.partial(
+        _replicate, replica
+    )
+    return replica
 
 
 _OPTION_NAMES = frozenset(inspect.signature(make_options).parameters)

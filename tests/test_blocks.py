@@ -315,3 +315,35 @@ def test_a_cache_given_to_a_checkpointed_block_is_warned_about() -> None:
         y = layers[0](x, cache=cache)
     y.sum().backward()
     assert len(cache.keys) == 2  # what the warning is about
+
+
+def test_data_parallel_replicas_run_themselves() -> None:
+    # nn.DataParallel copies each module's attributes into a replica per
+    # device: a replica's forward must run the replica (its device's
+    # parameters), not the block it was copied from
+    model = seqckpt.checkpoint_blocks(LoopNet())
+    block = model.layers[0]
+    replica = block._replicate_for_data_parallel()
+    assert replica is not block and replica.__dict__["forward"].module is replica
+    assert block.__dict__["forward"].module is block
+    assert replica.__dict__["forward"].options is block.__dict__["forward"].options
+    again = replica._replicate_for_data_parallel()  # (replicas of replicas too)
+    assert again.__dict__["forward"].module is again
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_data_parallel_over_two_gpus() -> None:
+    x = torch.randn(8, 6, device="cuda", requires_grad=True)
+    grads = []
+    for checkpointed in (False, True):
+        model = LoopNet().cuda().eval()  # eval: dropout would draw per device
+        model.layers.train()  # ... but the blocks checkpoint in training mode
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        if checkpointed:
+            seqckpt.checkpoint_blocks(model)
+        nn.DataParallel(model)(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.allclose(a, b) for a, b in zip(*grads, strict=True))
