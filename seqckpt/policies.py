@@ -24,6 +24,8 @@ and save it to JSON:
   apart; ``MUST_SAVE`` / ``PREFER_SAVE`` keep, the ``*_RECOMPUTE`` answers do
   not, and ``*_CPU_OFFLOAD`` keeps the output where it is.
 
+:func:`seqckpt.what_is_kept` lists, op by op, what a policy keeps for one call.
+
 Example:
     >>> import torch, seqckpt
     >>> block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(),
