@@ -192,9 +192,23 @@ def cuda_generators() -> tuple[torch.Generator, ...]:
     return tuple(torch.cuda.default_generators) if cuda_initialized() else ()
 
 
+def philox_state(generator: torch.Generator) -> tuple[int, int]:
+    """A CUDA generator's state: (seed, offset), which is all of a Philox
+    generator's state and cheap to read."""
+    return generator.initial_seed(), generator.get_offset()
+
+
+def put_philox_state(generator: torch.Generator, state: tuple[int, int]) -> None:
+    """Give a CUDA generator a state :func:`philox_state` read (untouched
+    where it has it already)."""
+    if philox_state(generator) != state:
+        generator.manual_seed(state[0])
+        generator.set_offset(state[1])
+
+
 class RngState:
-    """The CPU generator's state; (seed, offset) of every CUDA device's
-    generator, which is all of a Philox generator's state and cheap to read;
+    """The CPU generator's state; that of every CUDA device's generator (see
+    :func:`philox_state`);
     the state of other accelerators the region's inputs are on; and the state
     of the region's own generators (``torch.Generator`` objects a module holds
     or the function is given, see :func:`generators_held`)."""
@@ -204,7 +218,7 @@ class RngState:
     def __init__(
         self,
         cpu: torch.Tensor,
-        cuda: tuple[tuple[torch.Generator, int, int], ...],
+        cuda: tuple[tuple[torch.Generator, tuple[int, int]], ...],
         devices: tuple[tuple[torch.device, torch.Tensor], ...],
         own: tuple[tuple[torch.Generator, torch.Tensor], ...] = (),
     ) -> None:
@@ -225,7 +239,7 @@ class RngState:
         others = tuple(d for d in devices if d.type != "cuda")
         return RngState(
             cpu,
-            tuple((g, g.initial_seed(), g.get_offset()) for g in generators),
+            tuple((g, philox_state(g)) for g in generators),
             tuple(
                 (d, torch.get_device_module(d.type).get_rng_state(d)) for d in others
             ),
@@ -234,10 +248,8 @@ class RngState:
 
     def restore(self) -> None:
         _CPU_GENERATOR.set_state(self.cpu)
-        for generator, seed, offset in self.cuda:
-            if generator.initial_seed() != seed or generator.get_offset() != offset:
-                generator.manual_seed(seed)
-                generator.set_offset(offset)
+        for generator, seed_offset in self.cuda:
+            put_philox_state(generator, seed_offset)
         for d, state in self.devices:
             torch.get_device_module(d.type).set_rng_state(state, d)
         for g, state in self.own:
@@ -250,7 +262,7 @@ class RngState:
         return frozenset(
             [
                 generator_key(_CPU_GENERATOR),
-                *(generator_key(g) for g, _, _ in self.cuda),
+                *(generator_key(g) for g, _ in self.cuda),
             ]
             + [generator_key(g) for g, _ in self.own]
         )

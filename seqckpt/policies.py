@@ -55,7 +55,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from seqckpt._state import generator_key
+from seqckpt._state import generator_key, philox_state, put_philox_state
 from seqckpt._tree import storages_in
 
 __all__ = ["COMPUTE_HEAVY", "Policy", "as_policy", "name", "names", "ops"]
@@ -411,8 +411,8 @@ def uncounted_op(func: Any, args: Any) -> bool:
     return False
 
 
-# (generator, its state): the CPU generator's state tensor, or (seed, offset)
-# of a CUDA generator
+# (generator, its state): the CPU generator's state tensor, or a CUDA
+# generator's (seed, offset) (see _state.philox_state)
 GeneratorStates = tuple[tuple[torch.Generator, Any], ...]
 _SEEDED = torch.Tag.nondeterministic_seeded
 
@@ -441,15 +441,13 @@ def rng_after(func: Any, kwargs: dict[str, Any], out: Any) -> GeneratorStates | 
                 )
             elif t.device.type not in ("cpu", "meta"):
                 return None
-    states: list[tuple[torch.Generator, Any]] = []
-    for g in dict.fromkeys(generators):  # (each once, in order)
-        if g.device.type == "cuda":
-            states.append((g, (g.initial_seed(), g.get_offset())))
-        elif g.device.type == "cpu":
-            states.append((g, g.get_state()))
-        else:
-            return None
-    return tuple(states)
+    unique = dict.fromkeys(generators)  # (each once, in order)
+    if any(g.device.type not in ("cpu", "cuda") for g in unique):
+        return None
+    return tuple(
+        (g, philox_state(g) if g.device.type == "cuda" else g.get_state())
+        for g in unique
+    )
 
 
 def _put_rng(states: GeneratorStates, replayed: Collection[int]) -> None:
@@ -460,8 +458,7 @@ def _put_rng(states: GeneratorStates, replayed: Collection[int]) -> None:
         if generator_key(g) not in replayed:
             continue
         if g.device.type == "cuda":
-            g.manual_seed(state[0])
-            g.set_offset(state[1])
+            put_philox_state(g, state)
         else:
             g.set_state(state)
 
