@@ -13,7 +13,6 @@ block's attributes and every ``state_dict`` key stay as they were.
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import warnings
@@ -55,15 +54,26 @@ class CheckpointedForward:
     __slots__ = ("module", "options", "forward")
 
     def __init__(self, module: nn.Module, **options: Any) -> None:
+        self._bind(module, _checked_options(options, "CheckpointedForward"))
+
+    @classmethod
+    def _with_options(cls, module: nn.Module, options: Options) -> CheckpointedForward:
+        """One for ``module`` with options checked already."""
+        made = cls.__new__(cls)
+        made._bind(module, options)
+        return made
+
+    def _bind(self, module: nn.Module, options: Options) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
                 "seqckpt: CheckpointedForward takes the nn.Module whose forward it "
                 f"replaces, got {type(module).__name__}."
             )
         self.module = module
-        self.options = _checked_options(options, "CheckpointedForward")
+        self.options = options
         own = module.__dict__.get("forward")
-        # (set again on a module that has one already: it replaces that one)
+        # (set again on a module that has one already, or on a DataParallel
+        # replica, which copied its block's: it replaces that one)
         self.forward = None if isinstance(own, CheckpointedForward) else own
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -160,8 +170,10 @@ def checkpoint_blocks(
         return CheckpointedSequential.from_sequential(stack, k, **options)
 
     # (an error in the options shows here, before anything is changed)
-    block_options = {k: v for k, v in options.items() if k != "memory_budget"}
-    _checked_options(block_options, "checkpoint_blocks")
+    block_options = _checked_options(
+        {k: v for k, v in options.items() if k != "memory_budget"},
+        "checkpoint_blocks",
+    )
     if _is_innermost_stack(model) and isinstance(model, nn.Sequential):
         return swapped(model)
     sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
@@ -211,7 +223,7 @@ def checkpoint_blocks(
         setattr(parent, name, swapped(stack))
     for blocks in lists:
         for block in blocks:
-            block.forward = CheckpointedForward(block, **block_options)
+            block.forward = CheckpointedForward._with_options(block, block_options)
             if not isinstance(block, torch.jit.ScriptModule):
                 # torch.jit.script asks this first (and would fail obscurely
                 # on the forward above); a scripted block is compiled already
@@ -230,9 +242,9 @@ def _replicate(block: nn.Module) -> nn.Module:
     """``block``'s replica for ``nn.DataParallel`` (as ``nn.Module`` makes
     it), with a :class:`CheckpointedForward` of its own."""
     replica: nn.Module = nn.Module._replicate_for_data_parallel(block)  # type: ignore[no-untyped-call]
-    checkpointed = copy.copy(block.__dict__["forward"])
-    checkpointed.module, checkpointed.forward = replica, None
-    replica.__dict__["forward"] = checkpointed
+    replica.__dict__["forward"] = CheckpointedForward._with_options(
+        replica, block.__dict__["forward"].options
+    )
     replica.__dict__["_replicate_for_data_parallel"] = functools.partial(
         _replicate, replica
     )
