@@ -18,6 +18,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt.planner import Plan, Recompute, Run
+from tests.test_blocks import Loop
 
 BATCH, WIDTH, LAYERS = 8, 16, 6
 
@@ -56,20 +57,6 @@ class _FunctionalChain(nn.Module):
         return out
 
 
-class _LoopChain(nn.Module):
-    """A model whose forward loops over its blocks in an nn.ModuleList
-    (checkpointed by seqckpt.checkpoint_blocks: each block a region)."""
-
-    def __init__(self, stack: nn.Sequential) -> None:
-        super().__init__()
-        self.stack = nn.ModuleList(stack)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.stack:
-            x = block(x)
-        return x
-
-
 def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
     if kind == "module":
         return seqckpt.CheckpointedSequential.from_sequential(model, segments=3)
@@ -80,7 +67,7 @@ def _wrap(kind: str, model: nn.Sequential) -> nn.Module:
             model, segments=NESTED_PLAN
         )
     if kind == "blocks":
-        return seqckpt.checkpoint_blocks(_LoopChain(model))
+        return seqckpt.checkpoint_blocks(Loop(model))
     raise ValueError(kind)
 
 

@@ -9,6 +9,7 @@ import functools
 import pickle
 import runpy
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -232,23 +233,26 @@ def test_mixed_module_lists_are_not_stacks() -> None:
     assert all(isinstance(m.__dict__["forward"], CheckpointedForward) for m in same)
 
 
-class ScriptedLoop(nn.Module):
-    def __init__(self, blocks: list[nn.Module]) -> None:
+class Loop(nn.Module):
+    """A model whose forward loops over its blocks in an nn.ModuleList (the
+    distributed tests' model too)."""
+
+    def __init__(self, blocks: Iterable[nn.Module]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(blocks)
+        self.stack = nn.ModuleList(blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
+        for block in self.stack:
+            x = block(x)
         return x
 
 
-def scripted_loop() -> ScriptedLoop:
+def scripted_loop() -> Loop:
     # GELU, not Tanh: TorchScript's optimised executor differentiates tanh with
     # its own formula, so two plain runs of fresh scripted tanh blocks already
     # differ in the last bit (whichever compiled graph its cache hands out)
     torch.manual_seed(0)
-    return ScriptedLoop(
+    return Loop(
         [torch.jit.script(nn.Sequential(nn.Linear(6, 6), nn.GELU())) for _ in range(3)]
     )
 
