@@ -573,7 +573,8 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
         return None
     x = t.detach()
     if x.is_complex():
-        x = torch.view_as_real(x)
+        # (a conjugate view is read as its values: a copy, for these only)
+        x = torch.view_as_real(x.resolve_conj())
     if x.dim() < 2:
         n = x.numel()
         width = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)

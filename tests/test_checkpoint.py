@@ -529,6 +529,34 @@ def test_values_check_passes_on_deterministic_function() -> None:
     )
 
 
+class SpectralMix(nn.Module):
+    """FNet/Hyena-style mixing in the frequency domain: complex saved tensors,
+    one of them a conjugate view (mul saves ``f.conj()`` as it is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = torch.fft.rfft(self.proj(x), dim=-1)
+        return torch.fft.irfft(f * f.conj() + f, n=16, dim=-1).tanh()
+
+
+@pytest.mark.parametrize("check", ["default", "values", "none"])
+@pytest.mark.parametrize("policy", [None, "everything"])
+def test_complex_saved_tensors_conjugate_views_included(
+    check: str, policy: str | None
+) -> None:
+    # "values" fingerprinted a conjugate view with view_as_real, which refuses
+    # one ("unresolved conjugated tensors") and failed the backward.
+    keep = (lambda op, *args, **kwargs: True) if policy else None
+    assert_matches_plain(
+        nn.Sequential(SpectralMix(), SpectralMix()),
+        torch.randn(4, 16, requires_grad=True),
+        lambda m, x: checkpoint(m, x, determinism_check=check, policy=keep),
+    )
+
+
 def test_none_check_still_counts() -> None:
     f = Flip("fewer")
     y = checkpoint(f, torch.randn(3, 2, requires_grad=True), determinism_check="none")
