@@ -212,22 +212,41 @@ def _stand_in(p: torch.Tensor | None) -> bool:
     return p is not None and not is_parameter(p)
 
 
-# Whether a module class may hold a generator of its own: torch.nn's modules
-# (Linear, Sequential, ...) never do, so their attributes are not looked at.
-_CUSTOM: dict[type, bool] = {}
+# Per module class: (whether it may hold a generator of its own: torch.nn's
+# modules (Linear, Sequential, ...) never do, so their attributes are not
+# looked at; whether it is lazy (``nn.LazyLinear``); whether it is ``nn.RReLU``)
+_KINDS: dict[type, tuple[bool, bool, bool]] = {}
+
+
+def _kind(kind: type) -> tuple[bool, bool, bool]:
+    where = getattr(kind, "__module__", None) or ""  # (None when made so)
+    flags = (
+        not where.startswith("torch.nn.modules."),
+        issubclass(kind, LazyModuleMixin),
+        issubclass(kind, nn.RReLU),
+    )
+    _KINDS[kind] = flags
+    return flags
 
 
 def survey(
     modules: Iterable[nn.Module], generators: list[torch.Generator]
-) -> tuple[nn.Module | None, bool, list[nn.Module]]:
+) -> tuple[nn.Module | None, bool, list[nn.Module], bool]:
     """One walk over ``modules`` and their submodules: (a lazy module
     (``nn.LazyLinear`` and the like) whose parameters are not initialized yet,
     or None; whether any holds a buffer or a stand-in for a parameter; every
-    module walked, a shared one as often as it is reached). The
-    ``torch.Generator`` objects the modules hold as attributes are added to
-    ``generators``."""
+    module walked, a shared one as often as it is reached; whether one saves a
+    tensor for backward before its kernel fills it). The ``torch.Generator``
+    objects the modules hold as attributes are added to ``generators``.
+
+    The last is ``nn.RReLU`` in training mode: ``rrelu_with_noise`` saves its
+    noise tensor before writing into it, without moving its version counter,
+    so a recompute stopped at that save would keep it unfilled (wrong
+    gradients, no error; torch's checkpoint as well). Such a region's
+    recompute runs to its end. Only modules are seen (a functional
+    ``F.rrelu`` is not)."""
     lazy: nn.Module | None = None
-    state = False
+    state = unfilled = False
     walked: list[nn.Module] = []
     todo = list(modules)
     while todo:
@@ -236,22 +255,27 @@ def survey(
             continue
         walked.append(m)
         kind = type(m)
-        custom = _CUSTOM.get(kind)
-        if custom is None:
-            where = getattr(kind, "__module__", None) or ""  # (None when made so)
-            custom = _CUSTOM[kind] = not where.startswith("torch.nn.modules.")
+        custom, lazy_kind, rrelu = _KINDS.get(kind) or _kind(kind)
         if custom and _GENERATOR in set(map(type, attributes := m.__dict__.values())):
             generators_held(attributes, generators)
         if not state:
-            state = bool(m._buffers) or any(map(_stand_in, m._parameters.values()))
-        if (
-            lazy is None
-            and isinstance(m, LazyModuleMixin)
-            and m.has_uninitialized_params()  # type: ignore[no-untyped-call]
-        ):
+            if m._buffers:
+                state = True
+            else:  # (a stand-in for a parameter, as _stand_in, without calls)
+                for p in m._parameters.values():
+                    if (
+                        type(p) is not _Parameter
+                        and p is not None
+                        and not is_parameter(p)
+                    ):
+                        state = True
+                        break
+        if lazy_kind and lazy is None and m.has_uninitialized_params():  # type: ignore[operator]
             lazy = m
+        if rrelu and m.training:
+            unfilled = True
         todo.extend(m._modules.values())  # type: ignore[arg-type]
-    return lazy, state, walked
+    return lazy, state, walked, unfilled
 
 
 def _snapshot(b: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack
 from typing import Any, TypeVar
 
@@ -213,7 +212,7 @@ class RngState:
     of the region's own generators (``torch.Generator`` objects a module holds
     or the function is given, see :func:`generators_held`)."""
 
-    __slots__ = ("cpu", "cuda", "devices", "own")
+    __slots__ = ("cpu", "cuda", "devices", "own", "cpu_only")
 
     def __init__(
         self,
@@ -226,6 +225,8 @@ class RngState:
         self.cuda = cuda
         self.devices = devices
         self.own = own
+        # the common case, replayed without loops
+        self.cpu_only = not (cuda or devices or own)
 
     @staticmethod
     def capture(
@@ -248,6 +249,8 @@ class RngState:
 
     def restore(self) -> None:
         _CPU_GENERATOR.set_state(self.cpu)
+        if self.cpu_only:
+            return
         for generator, seed_offset in self.cuda:
             put_philox_state(generator, seed_offset)
         for d, state in self.devices:
@@ -269,6 +272,8 @@ class RngState:
 
     def current(self) -> RngState:
         """The caller's state now, on the same devices and generators."""
+        if self.cpu_only and not cuda_initialized():
+            return RngState(_CPU_GENERATOR.get_state(), (), ())
         return RngState.capture(
             tuple([d for d, _ in self.devices]), [g for g, _ in self.own]
         )
@@ -493,7 +498,6 @@ CPU_SWITCHES, ALL_SWITCHES = _switches()
 _any_autocast: Callable[[], bool] = getattr(
     torch._C, "_is_any_autocast_enabled", lambda: True
 )
-_call: Callable[[Callable[[], Any]], Any] = getattr(operator, "call", lambda f: f())
 
 
 def _autocast(types: tuple[str, ...]) -> tuple[Any, ...] | None:
@@ -507,8 +511,28 @@ def _autocast(types: tuple[str, ...]) -> tuple[Any, ...] | None:
     return tuple(state)
 
 
-_GETTERS: dict[bool, list[Callable[[], Any]]] = {
-    cpu_only: [_default_device] + [get for get, _ in switches]
+def _reader(getters: list[Callable[[], Any]]) -> Callable[[], tuple[Any, ...]]:
+    """One function that calls every getter and returns their values as a
+    tuple: read twice per region, so written out call by call (a partial's
+    function is called with its constant arguments) instead of looped over."""
+    names: dict[str, Any] = {}
+    calls = []
+    for i, get in enumerate(getters):
+        if isinstance(get, functools.partial) and not get.keywords:
+            names[f"f{i}"] = get.func
+            calls.append(f"f{i}({', '.join(map(repr, get.args))})")
+        else:
+            names[f"f{i}"] = get
+            calls.append(f"f{i}()")
+    read: Callable[[], tuple[Any, ...]] = eval(  # noqa: S307 (our own names only)
+        f"lambda: ({', '.join(calls)},)", names
+    )
+    return read
+
+
+# The default device and the switch values, per "the CPU only" or "all devices"
+_READ: dict[bool, Callable[[], tuple[Any, ...]]] = {
+    cpu_only: _reader([_default_device] + [get for get, _ in switches])
     for cpu_only, switches in ((True, CPU_SWITCHES), (False, ALL_SWITCHES))
 }
 
@@ -518,9 +542,12 @@ _GETTERS: dict[bool, list[Callable[[], Any]]] = {
 # the cache was off then and is off now)
 AmbientUndo = tuple[
     ExitStack | None,
-    list[tuple[Switch, Any]],
+    Sequence[tuple[Switch, Any]],
     tuple[int, dict[Any, Any]] | None,
 ]
+
+
+_NOTHING_CHANGED: AmbientUndo = (None, (), None)
 
 
 class Ambient:
@@ -535,9 +562,9 @@ class Ambient:
     __slots__ = ("types", "autocast", "values", "cached")
 
     def __init__(self, devices: tuple[torch.device, ...]) -> None:
-        self.types = types = _autocast_types(devices)
-        self.autocast = _autocast(types)
-        self.values = list(map(_call, _GETTERS[types == ("cpu",)]))
+        self.types = types = _autocast_types(devices) if devices else _NO_DEVICES_TYPES
+        self.autocast = _autocast(types) if _any_autocast() else None
+        self.values = _READ[types == ("cpu",)]()
         self.cached = dict(_parametrize._cache) if _parametrize._cache_enabled else None
 
     @property
@@ -548,10 +575,12 @@ class Ambient:
         """Make the current state equal to what was captured; returns what
         :meth:`undo` needs."""
         types = self.types
-        now = list(map(_call, _GETTERS[types == ("cpu",)]))
-        autocast = _autocast(types)
+        now = _READ[types == ("cpu",)]()
+        autocast = _autocast(types) if _any_autocast() else None
         then = self.values
         if now == then and autocast == self.autocast:
+            if self.cached is None and not _parametrize._cache_enabled:
+                return _NOTHING_CHANGED
             return None, [], self._replay_cache()
         stack = None
         if autocast != self.autocast:

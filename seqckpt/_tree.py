@@ -22,11 +22,17 @@ def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Te
         out = []
     if isinstance(obj, torch.Tensor):
         out.append(obj)
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            tensors_in(item, out)
+        return out
+    if isinstance(obj, (tuple, list)):
+        items: Any = obj
     elif isinstance(obj, dict):
-        for item in obj.values():
+        items = obj.values()
+    else:
+        return out
+    for item in items:  # (the tensors among the items without a call each)
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (tuple, list, dict)):
             tensors_in(item, out)
     return out
 

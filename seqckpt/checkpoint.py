@@ -423,7 +423,7 @@ def run_region(
         )
     else:
         runs = modules_of(function, found) if modules is None else list(modules)
-        lazy, stateful, walked = survey(runs, found)
+        lazy, stateful, walked, unfilled = survey(runs, found)
         _state.generators_held(args, found)  # given: f(x, generator=g)
         if kwargs:
             _state.generators_held(kwargs.values(), found)
@@ -443,7 +443,7 @@ def run_region(
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
     result: T = _Region(
-        function, args, kwargs, options, runs, name, walked, found
+        function, args, kwargs, options, runs, name, walked, found, unfilled
     ).run()
     return result
 
@@ -709,6 +709,7 @@ class _Region:
         name: str | None = None,
         walked: list[nn.Module] | None = None,
         generators: list[torch.Generator] | None = None,
+        unfilled: bool = False,
     ) -> None:
         self.function = function
         # The training flag of every module the region visibly runs: a
@@ -767,9 +768,10 @@ class _Region:
         self.guard = (
             BufferGuard.of(modules, conservative) if modules or conservative else None
         )
-        # Fingerprints of tensors saved before their op fills them would read
-        # unfilled memory: such tensors go unfingerprinted ("values" only).
-        self.unfilled = conservative and self._saves_unfilled()
+        # Whether an op saves a tensor before filling it (see _buffers.survey):
+        # the recompute runs to its end, and with "values" such tensors go
+        # unfingerprinted (their fingerprints would read unfilled memory).
+        self.unfilled = unfilled
 
     # ------------------------------------------------------------------ forward
 
@@ -869,20 +871,6 @@ class _Region:
                 )
         return index
 
-    def _saves_unfilled(self) -> bool:
-        """Whether the region runs an op that saves a tensor for backward before
-        its kernel writes into it: ``nn.RReLU`` in training mode
-        (``rrelu_with_noise`` saves its noise tensor so, without moving its
-        version counter). A recompute stopped at that save would keep the
-        tensor unfilled (wrong gradients, no error; torch's checkpoint as
-        well), so such a region's recompute runs to its end. Read off the
-        modules the region visibly runs (a functional ``F.rrelu`` is not seen)."""
-        modes = self.modes
-        return modes is not None and any(
-            flag and isinstance(m, nn.RReLU)
-            for m, flag in zip(*modes)  # noqa: B905
-        )
-
     # ----------------------------------------------------------------- backward
 
     def _unpack(self, index: Any) -> torch.Tensor:
@@ -950,10 +938,10 @@ class _Region:
         # trailing nested region) would be thrown away. "values" and
         # early_stop=False run to the end so that the count is checked exactly,
         # and so does a region whose op saves a tensor before filling it
-        # (_saves_unfilled). A recompute asked for while the forward still runs (a backward inside
-        # the function) always stops where the forward is now.
+        # (self.unfilled). A recompute asked for while the forward still runs
+        # (a backward inside the function) always stops where the forward is now.
         run_to_end = not self.in_forward and (
-            fingerprint or not options.early_stop or self._saves_unfilled()
+            fingerprint or not options.early_stop or self.unfilled
         )
         unfilled = self.unfilled
         wanted = -1 if run_to_end else len(self.metas)
