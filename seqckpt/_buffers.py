@@ -219,6 +219,8 @@ _KINDS: dict[type, tuple[bool, bool, bool]] = {}
 
 
 def _kind(kind: type) -> tuple[bool, bool, bool]:
+    if len(_KINDS) >= 4096:  # classes made per module (parametrize does) come and go
+        _KINDS.clear()
     where = getattr(kind, "__module__", None) or ""  # (None when made so)
     flags = (
         not where.startswith("torch.nn.modules."),

@@ -751,7 +751,7 @@ class _Region:
             # Not nested: hold the inputs directly and watch their versions.
             self.inputs: list[torch.Tensor] | None = inputs
             self.versions: list[int] | None = _versions(inputs)
-            self.input_ids: set[int] | None = {id(t) for t in inputs}
+            self.input_ids: set[int] | None = set(map(id, inputs))
             self.saver = None
         else:
             # Nested in another region (or other saved-tensor hooks): save the
@@ -831,7 +831,7 @@ class _Region:
             if _USER_HOOKS is not None:
                 del pack._user_hooks  # type: ignore[attr-defined]
             _POLICY_CHILDREN.reset(running)
-            self.children = [weakref.ref(c) for c in children] or None
+            self.children = [weakref.ref(c) for c in children] if children else None
             self.in_forward = False
             self.recomputed = None  # tensors recomputed for a backward run inside
             _state.end(_state.CHECKPOINTING, phase)
@@ -853,7 +853,7 @@ class _Region:
         return output
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if _is_parameter(t):
+        if (type(t) is not _Tensor or t._base is not None) and _is_parameter(t):
             return t  # alive anyway: nothing to drop, nothing to recompute
         if self.input_ids is not None and id(t) in self.input_ids:
             return (t, t._version)  # an input of the region, held anyway
@@ -950,7 +950,9 @@ class _Region:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal stopped
-            if _is_parameter(t) or (input_ids is not None and id(t) in input_ids):
+            if (
+                (type(t) is not _Tensor or t._base is not None) and _is_parameter(t)
+            ) or (input_ids is not None and id(t) in input_ids):
                 return t  # held by the forward's graph, as in _pack
             detached = t.detach()
             if stopped:  # the function caught the stop and went on
@@ -1116,12 +1118,13 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
     """The version counters of ``tensors``; -1 for an inference tensor, which
     has none (and cannot be changed in place outside inference mode)."""
     try:
-        return [t._version for t in tensors]
+        return list(map(_version, tensors))
     except RuntimeError:
         return [-1 if t.is_inference() else t._version for t in tensors]
 
 
 _training = operator.attrgetter("training")
+_version = operator.attrgetter("_version")
 
 
 def _set_modes(
@@ -1229,9 +1232,14 @@ _hooks_enabled: Callable[[], bool] = getattr(
 )
 
 
+_Tensor = torch.Tensor
+
+
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one (``weight.t()`` saved by a linear layer):
-    kept alive by its module, so a region holds it instead of recomputing it."""
+    kept alive by its module, so a region holds it instead of recomputing it.
+    (A plain tensor that is not a view is neither: the pack hooks tell so
+    without calling this.)"""
     if is_parameter(t):
         return True
     base = t._base
