@@ -276,7 +276,8 @@ def checkpoint(
                 "pass the function's own arguments when calling it."
             )
         return functools.partial(CheckpointedFunction, options=options)
-    _check_function(function)
+    if not callable(function):
+        _check_function(function)  # raises
     return run_region(function, args, kwargs, options)  # type: ignore[arg-type]
 
 
@@ -424,7 +425,8 @@ def run_region(
     else:
         runs = modules_of(function, found) if modules is None else list(modules)
         lazy, stateful, walked, unfilled = survey(runs, found)
-        _state.generators_held(args, found)  # given: f(x, generator=g)
+        if _GENERATOR in set(map(type, args)):  # given: f(x, generator=g)
+            _state.generators_held(args, found)
         if kwargs:
             _state.generators_held(kwargs.values(), found)
         if not stateful:
@@ -1124,6 +1126,7 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
 
 
 _training = operator.attrgetter("training")
+_GENERATOR = torch.Generator
 _version = operator.attrgetter("_version")
 
 
