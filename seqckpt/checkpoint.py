@@ -444,10 +444,66 @@ def run_region(
         )
         return function(*args, **kwargs)
     options = _with_torch_switches(options)
+    if (
+        options.policy is not None
+        or options.debug
+        or options.determinism_check == "values"
+    ):
+        _warn_if_compiled(function, walked, options, name)
     result: T = _Region(
         function, args, kwargs, options, runs, name, walked, found, unfilled
     ).run()
     return result
+
+
+def _warn_if_compiled(
+    function: Callable[..., Any],
+    walked: list[nn.Module],
+    options: Options,
+    name: str | None,
+) -> None:
+    """Warn where a region whose options need a dispatch mode (a policy,
+    ``debug``) or a global module hook (``determinism_check="values"``) runs a
+    module or function compiled with ``torch.compile``: torch.compile does not
+    compile under a dispatch mode (the module runs eagerly), and traces the
+    hook with graph breaks, so the step is slower and its numbers are not
+    those of the compiled plain run. Modules are seen as the region's walk
+    sees them; a compiled function called from inside a forward is not."""
+    what = None
+    if getattr(function, "_torchdynamo_orig_callable", None) is not None:
+        what = "a function compiled with torch.compile"
+    for m in walked:
+        if type(m).__name__ == "OptimizedModule":  # torch.compile(module)
+            inner = getattr(m, "_orig_mod", m)
+            what = f"a {type(inner).__name__} compiled with torch.compile"
+        elif m.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
+            what = f"a {type(m).__name__} compiled with .compile()"
+        if what is not None:
+            break
+    if what is None:
+        return
+    if options.policy is not None or options.debug:
+        needs = "a policy" if options.policy is not None else "debug=True"
+        how = (
+            f"{needs} needs a dispatch mode, under which torch.compile does "
+            "not compile: it runs eagerly"
+        )
+    else:
+        how = (
+            'determinism_check="values" watches module calls with a global '
+            "hook, which torch.compile traces with graph breaks: it runs "
+            "compiled in pieces"
+        )
+    warnings.warn(
+        f"seqckpt: checkpointed {name or _name(function)} runs {what}, and {how}; "
+        "the step is slower and its numbers are not those of the compiled "
+        "plain run (other rounding, other dropout masks; torch's selective "
+        "checkpointing behaves the same). Checkpoint the module as written and "
+        "compile the checkpointed call instead, e.g. torch.compile(lambda x: "
+        "seqckpt.checkpoint(block, x, policy=...)): in compiled code a policy "
+        "becomes torch's own selective checkpointing.",
+        stacklevel=4,
+    )
 
 
 # What torch's early-stop switch held at import: None where unset; True on

@@ -355,3 +355,49 @@ def test_compiled_module_list_blocks_recompute() -> None:
         assert torch.allclose(out, Loop()(x))
         tanhs[checkpointed] = count(graphs["backward"][0], torch.ops.aten.tanh.default)
     assert tanhs == {False: 0, True: 3}
+
+
+@pytest.mark.parametrize("how", ["torch.compile", ".compile()"])
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"policy": "compute_heavy"}, "runs eagerly"),
+        ({"debug": True}, "runs eagerly"),
+        ({"determinism_check": "values"}, "graph breaks"),
+    ],
+)
+def test_a_compiled_module_under_a_mode_based_option_warns(
+    how: str, options: dict[str, Any], words: str
+) -> None:
+    # torch.compile does not compile under the dispatch mode a policy or debug
+    # needs, and traces "values"' global module hook with graph breaks: the
+    # region still gives the gradients of what ran (the eager backend here),
+    # but a user compiling for speed must hear that it did not run compiled.
+    import seqckpt
+
+    def compiled(m: nn.Module) -> nn.Module:
+        if how == "torch.compile":
+            return torch.compile(m, backend="eager")  # type: ignore[return-value]
+        m.compile(backend="eager")
+        return m
+
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match=rf"^seqckpt: .*compiled with .*{words}"):
+        assert_matches_plain(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)),
+            x,
+            lambda m, t: seqckpt.checkpoint(compiled(m), t, **options),
+        )
+
+
+def test_a_compiled_module_without_a_policy_does_not_warn() -> None:
+    import warnings
+
+    import seqckpt
+
+    block = torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), backend="eager")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="seqckpt")
+        seqckpt.checkpoint(
+            block, torch.randn(2, 8, requires_grad=True)
+        ).sum().backward()
