@@ -208,17 +208,20 @@ def _stand_in(p: torch.Tensor | None) -> bool:
     """A tensor in a module's parameter slot that is not a Parameter: put there
     for the call by ``torch.func.functional_call`` (torch.nn.utils.stateless),
     which puts the module's own parameters back when the call returns, before
-    any recompute."""
+    any recompute. Not asked of TorchScript modules: functional_call cannot
+    swap their parameters, and a deep copy of one holds them as plain
+    tensors."""
     return p is not None and not is_parameter(p)
 
 
 # Per module class: (whether it may hold a generator of its own: torch.nn's
 # modules (Linear, Sequential, ...) never do, so their attributes are not
-# looked at; whether it is lazy (``nn.LazyLinear``); whether it is ``nn.RReLU``)
-_KINDS: dict[type, tuple[bool, bool, bool]] = {}
+# looked at; whether it is lazy (``nn.LazyLinear``); whether it is ``nn.RReLU``;
+# whether it is a TorchScript module)
+_KINDS: dict[type, tuple[bool, bool, bool, bool]] = {}
 
 
-def _kind(kind: type) -> tuple[bool, bool, bool]:
+def _kind(kind: type) -> tuple[bool, bool, bool, bool]:
     if len(_KINDS) >= 4096:  # classes made per module (parametrize does) come and go
         _KINDS.clear()
     where = getattr(kind, "__module__", None) or ""  # (None when made so)
@@ -226,6 +229,7 @@ def _kind(kind: type) -> tuple[bool, bool, bool]:
         not where.startswith("torch.nn.modules."),
         issubclass(kind, LazyModuleMixin),
         issubclass(kind, nn.RReLU),
+        issubclass(kind, torch.jit.ScriptModule),
     )
     _KINDS[kind] = flags
     return flags
@@ -257,13 +261,13 @@ def survey(
             continue
         walked.append(m)
         kind = type(m)
-        custom, lazy_kind, rrelu = _KINDS.get(kind) or _kind(kind)
+        custom, lazy_kind, rrelu, script = _KINDS.get(kind) or _kind(kind)
         if custom and _GENERATOR in set(map(type, attributes := m.__dict__.values())):
             generators_held(attributes, generators)
         if not state:
             if m._buffers:
                 state = True
-            else:  # (a stand-in for a parameter, as _stand_in, without calls)
+            elif not script:  # (a stand-in for a parameter, as _stand_in)
                 for p in m._parameters.values():
                     if (
                         type(p) is not _Parameter
@@ -373,13 +377,13 @@ class BufferGuard:
             if id(m) in visited:
                 continue
             visited.add(id(m))
-            for name, p in m._parameters.items():
+            script = isinstance(m, torch.jit.ScriptModule)
+            for name, p in () if script else m._parameters.items():
                 if _stand_in(p):
                     assert p is not None
                     self.stand_ins.append((m, name, p))
             buffers = m._buffers
             if buffers:
-                script = isinstance(m, torch.jit.ScriptModule)
                 quantizer = isinstance(m, _QUANTIZERS)
                 for name, b in buffers.items():
                     if b is None:

@@ -159,6 +159,24 @@ def test_torchscript_children_bitwise() -> None:
         assert_matches_plain(make, x, lambda m, x: checkpoint_sequential(m, k, x))
 
 
+@pytest.mark.parametrize("policy", [None, "compute_heavy"])
+def test_deep_copied_torchscript_children(policy: str | None) -> None:
+    # copy.deepcopy of a TorchScript module (an EMA or teacher copy) holds its
+    # parameters as plain tensors, which were taken for torch.func.functional_call
+    # stand-ins: the recompute's replay then failed on TorchScript's parameter
+    # mapping ('OrderedDictWrapper' object has no attribute 'get').
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.GELU())),
+        nn.Linear(8, 8),
+        torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.GELU())),
+    )  # (GELU, not Tanh: see the note in tests/test_blocks.py)
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(  # (the oracle runs deep copies of the model)
+        model, x, lambda m, x: checkpoint_sequential(m, 2, x, policy=policy)
+    )
+
+
 def test_torchscript_compiles_the_plain_forward() -> None:
     # As nn.Sequential can be scripted, so can its drop-in: TorchScript cannot
     # checkpoint, so the scripted forward is the plain one; the eager module,
