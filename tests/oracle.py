@@ -34,10 +34,16 @@ def _loss(output: Any) -> torch.Tensor:
     return torch.stack(parts).sum()
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """Sparse gradients (``nn.Embedding(sparse=True)``) compared by their
+    values: torch.equal has no sparse kernel."""
+    return t.to_dense() if t.is_sparse else t
+
+
 def assert_equal_tensors(a: Any, b: Any, what: str) -> None:
     ta, tb = tensors_in(a), tensors_in(b)
     assert len(ta) == len(tb), f"{what}: {len(ta)} tensors vs {len(tb)}"
-    for i, (x, y) in enumerate(zip(ta, tb, strict=False)):
+    for i, (x, y) in enumerate(zip(map(_dense, ta), map(_dense, tb), strict=False)):
         assert torch.equal(x, y), f"{what}[{i}] differs: max {(x - y).abs().max()}"
 
 
@@ -85,6 +91,6 @@ def assert_matches_plain(
     ):
         assert (g is None) == (r is None), f"param grad {i}: {g} vs {r}"
         if g is not None:
-            assert torch.equal(g, r), f"param grad {i} differs"
+            assert torch.equal(_dense(g), _dense(r)), f"param grad {i} differs"
     assert_equal_tensors(got["buffers"], ref["buffers"], "buffer")
     assert torch.equal(got["rng"], ref["rng"]), "RNG state after backward differs"

@@ -542,6 +542,18 @@ class SpectralMix(nn.Module):
         return torch.fft.irfft(f * f.conj() + f, n=16, dim=-1).tanh()
 
 
+@pytest.mark.parametrize("check", ["default", "values"])
+@pytest.mark.parametrize("policy", [None, "compute_heavy", "everything"])
+def test_sparse_embedding_gradients(check: str, policy: str | None) -> None:
+    # recommendation-style models: an embedding with sparse gradients
+    keep: Any = (lambda op, *args, **kwargs: True) if policy == "everything" else policy
+    assert_matches_plain(
+        nn.Sequential(nn.Embedding(30, 8, sparse=True), nn.Linear(8, 8), nn.GELU()),
+        torch.randint(0, 30, (4, 5)),
+        lambda m, x: checkpoint(m, x, determinism_check=check, policy=keep),
+    )
+
+
 @pytest.mark.parametrize("check", ["default", "values", "none"])
 @pytest.mark.parametrize("policy", [None, "everything"])
 def test_complex_saved_tensors_conjugate_views_included(
