@@ -64,6 +64,21 @@ def test_profile_keeps_none_grads_none() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_deep_copied_torchscript_block_is_profiled_quietly() -> None:
+    # copy.deepcopy of a TorchScript module holds its parameters as clones with
+    # a history (non-leaf): the sandbox read and wrote their .grad, and torch
+    # warned about a non-leaf .grad on every profile.
+    import copy
+    import warnings
+
+    block = copy.deepcopy(torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.GELU())))
+    chain = nn.Sequential(block, nn.Linear(8, 8))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*not a leaf Tensor")
+        seqckpt.profile(chain, torch.randn(4, 8, requires_grad=True))
+    assert all(p.grad is None for p in chain[1].parameters())
+
+
 def test_sizes_follow_the_tensors() -> None:
     batch, width = 64, 32
     model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, width))

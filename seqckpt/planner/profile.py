@@ -259,7 +259,9 @@ class _Sandbox:
             for b in sub.buffers(recurse=False):
                 self.buffers.append((b, b.detach().clone()))
             for p in sub.parameters(recurse=False):
-                if id(p) in self.params:
+                if id(p) in self.params or not p.is_leaf:
+                    # (a deep copy of a TorchScript module holds clones with a
+                    # history, whose .grad autograd never fills)
                     continue
                 self.params.add(id(p))
                 self.grads.append((p, p.grad))
