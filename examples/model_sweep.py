@@ -10,12 +10,15 @@ under ``seqckpt.replace_torch_checkpoint(policy=...)``); HF
 models get ``seqckpt.checkpoint`` (with the policy) as their checkpoint
 function through ``real_models.use_seqckpt``, or with ``--hf-route blocks``
 ``seqckpt.checkpoint_blocks`` on the model (public API only: each layer of
-their ``nn.ModuleList`` is a region). Dropout, stochastic depth, MoE
+their ``nn.ModuleList`` is a region); diffusers models (UNet, VAE, DiT, SD3,
+Flux) get ``seqckpt.checkpoint`` through their own
+``enable_gradient_checkpointing(gradient_checkpointing_func=...)``, or
+``checkpoint_blocks`` with ``--hf-route blocks``. Dropout, stochastic depth, MoE
 router noise, BatchNorm, in-place activations and (two torchvision models
 prepared for quantization-aware training) fake-quantizers with their observers
 are left on where the model has them. Sizes are small: this checks correctness, not speed.
 
-Usage (with torchvision, timm and transformers installed; a missing package's
+Usage (with torchvision, timm, transformers and diffusers installed; a missing package's
 models are skipped)::
 
     python examples/model_sweep.py                       # default policy only
@@ -200,6 +203,63 @@ def timm_cases() -> list[Case]:
     return cases
 
 
+def _sample_loss(out: Any) -> torch.Tensor:
+    """diffusers' outputs hold the prediction as ``sample``."""
+    sample = out.sample if hasattr(out, "sample") else out[0]
+    return sample.float().square().mean()
+
+
+def diffusers_cases() -> list[Case]:
+    import diffusers as D
+
+    small = {"norm_num_groups": 8, "block_out_channels": (32, 64)}
+    unet = functools.partial(
+        D.UNet2DConditionModel, sample_size=16, in_channels=4, out_channels=4,
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32,
+        attention_head_dim=8, **small,
+    )  # fmt: skip
+    vae = functools.partial(
+        D.AutoencoderKL, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, **small,
+    )  # fmt: skip
+    dit = functools.partial(
+        D.DiTTransformer2DModel, num_attention_heads=2, attention_head_dim=8,
+        in_channels=4, out_channels=4, num_layers=2, sample_size=8, patch_size=2,
+        num_embeds_ada_norm=10, dropout=0.1,
+    )  # fmt: skip
+    sd3 = functools.partial(
+        D.SD3Transformer2DModel, sample_size=8, patch_size=2, in_channels=4,
+        num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8,
+        out_channels=4,
+    )  # fmt: skip
+    flux = functools.partial(
+        D.FluxTransformer2DModel, patch_size=1, in_channels=8, num_layers=2,
+        num_single_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=(2, 2, 4),
+    )  # fmt: skip
+    t2 = torch.tensor([10, 20])
+    return [
+        ("diffusers UNet2DConditionModel", unet, {"sample": torch.randn(2, 4, 16, 16),
+         "timestep": t2, "encoder_hidden_states": torch.randn(2, 5, 32)},
+         _sample_loss, "diffusers"),
+        ("diffusers AutoencoderKL", vae, {"sample": torch.randn(2, 3, 32, 32),
+         "sample_posterior": True}, _sample_loss, "diffusers"),
+        ("diffusers DiTTransformer2DModel", dit, {"hidden_states": torch.randn(2, 4, 8, 8),
+         "timestep": t2, "class_labels": torch.tensor([0, 3])}, _sample_loss, "diffusers"),
+        ("diffusers SD3Transformer2DModel", sd3, {"hidden_states": torch.randn(2, 4, 8, 8),
+         "encoder_hidden_states": torch.randn(2, 5, 16),
+         "pooled_projections": torch.randn(2, 8), "timestep": t2}, _sample_loss,
+         "diffusers"),
+        ("diffusers FluxTransformer2DModel", flux, {"hidden_states": torch.randn(1, 16, 8),
+         "encoder_hidden_states": torch.randn(1, 4, 16),
+         "pooled_projections": torch.randn(1, 8), "timestep": torch.tensor([1.0]),
+         "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(4, 3)}, _sample_loss,
+         "diffusers"),
+    ]  # fmt: skip
+
+
 def transformers_cases() -> list[Case]:
     import transformers as T
 
@@ -372,7 +432,15 @@ def convert(
         return lambda model: checkpoint_vision(model, options)
     if hf_route == "blocks":  # public API only: each layer of the ModuleList
         return lambda model: seqckpt.checkpoint_blocks(model, **options)
+    if kind == "diffusers":  # diffusers' own checkpointing, with seqckpt's function
+        return lambda model: _diffusers_own(model, options)
     return lambda model: use_seqckpt(model, **options)
+
+
+def _diffusers_own(model: nn.Module, options: dict[str, Any]) -> nn.Module:
+    enable: Any = model.enable_gradient_checkpointing  # type: ignore[operator]
+    enable(gradient_checkpointing_func=functools.partial(seqckpt.checkpoint, **options))
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -387,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
         "--hf-route",
         choices=("function", "blocks"),
         default="function",
-        help="HF models: seqckpt as their checkpoint function, or "
-        "seqckpt.checkpoint_blocks on the model (HF's own checkpointing off)",
+        help="HF transformers and diffusers models: seqckpt as their checkpoint "
+        "function, or seqckpt.checkpoint_blocks on the model (their own "
+        "checkpointing off)",
     )
     args = parser.parse_args(argv)
     chosen = [p.strip() for p in args.policies.split(",")]
@@ -404,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         ("torchvision", torchvision_cases),
         ("timm", timm_cases),
         ("transformers", transformers_cases),
+        ("diffusers", diffusers_cases),
     ):
         if importlib.util.find_spec(package) is None:
             print(f"{package}: not installed, skipped")

@@ -1,6 +1,7 @@
 """Real clients, where they are installed: torchvision ResNets, timm models and
-HF transformers trained with seqckpt (examples/real_models.py), bitwise equal
-to their plain runs and lighter. CI does not install them (the torchvision
+HF transformers trained with seqckpt (examples/real_models.py), and diffusers
+models through examples/model_sweep.py, bitwise equal to their plain runs and
+lighter. CI does not install them (the torchvision
 wheel reachable there does not import against the CPU build of torch); these
 tests skip cleanly without them and must pass where they are installed."""
 
@@ -71,3 +72,22 @@ def test_model_sweep_runs_where_its_packages_are(
     assert code == 0, out
     # mobilenet_v2, its QAT-prepared twin and gpt2, under three policies each
     assert out.count("bitwise equal") == 3 * 3 and "0 failed" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["function", "blocks"])
+def test_diffusers_models_through_both_routes(
+    capsys: pytest.CaptureFixture[str], route: str
+) -> None:
+    # diffusers' own enable_gradient_checkpointing(gradient_checkpointing_func=
+    # seqckpt.checkpoint), and checkpoint_blocks instead: five models, three
+    # policies, each bitwise equal to the plain run.
+    pytest.importorskip("diffusers")
+    sweep = runpy.run_path(str(EXAMPLE.parent / "model_sweep.py"))
+    code = sweep["main"](
+        ["--only", "diffusers", "--policies", "none,compute_heavy,everything"]
+        + ["--hf-route", route]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("bitwise equal") == 5 * 3 and "0 failed" in out
