@@ -211,11 +211,12 @@ def checkpoint_blocks(
     if own is not None and (sequentials or lists):
         warnings.warn(
             f"seqckpt: {type(own).__name__} in {type(model).__name__} has its own "
-            "checkpointing on (HF's gradient_checkpointing or timm's "
-            "grad_checkpointing flag), so its blocks would be checkpointed twice, "
-            "nested (each recompute run again inside another). Turn that off "
-            "(model.gradient_checkpointing_disable(), or set_grad_checkpointing("
-            "False)) and keep checkpoint_blocks, or use the library's own with "
+            "checkpointing on (the gradient_checkpointing flag of HF transformers "
+            "and diffusers, or timm's grad_checkpointing), so its blocks would be "
+            "checkpointed twice, nested (each recompute run again inside another). "
+            "Turn that off (model.gradient_checkpointing_disable() or "
+            "disable_gradient_checkpointing(), or set_grad_checkpointing(False)) "
+            "and keep checkpoint_blocks, or use the library's own with "
             "seqckpt as its checkpoint function (see the README).",
             stacklevel=2,
         )
