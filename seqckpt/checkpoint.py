@@ -470,7 +470,10 @@ def _warn_if_compiled(
     those of the compiled plain run. Modules are seen as the region's walk
     sees them; a compiled function called from inside a forward is not."""
     what = None
-    if getattr(function, "_torchdynamo_orig_callable", None) is not None:
+    if (
+        not isinstance(function, nn.Module)  # (whose __getattr__ would raise)
+        and getattr(function, "_torchdynamo_orig_callable", None) is not None
+    ):
         what = "a function compiled with torch.compile"
     for m in walked:
         if type(m).__name__ == "OptimizedModule":  # torch.compile(module)

@@ -408,6 +408,18 @@ def test_a_compiled_module_under_a_mode_based_option_warns(
         )
 
 
+def test_a_compiled_function_under_a_policy_warns() -> None:
+    import seqckpt
+
+    lin = nn.Linear(8, 8)
+    f = torch.compile(lambda t: lin(t).tanh(), backend="eager")
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.warns(UserWarning, match="a function compiled with torch.compile"):
+        y = seqckpt.checkpoint(f, x, policy="compute_heavy")
+    y.sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None
+
+
 def test_a_compiled_module_without_a_policy_does_not_warn() -> None:
     import warnings
 
