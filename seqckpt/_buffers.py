@@ -267,13 +267,9 @@ def survey(
         if not state:
             if m._buffers:
                 state = True
-            elif not script:  # (a stand-in for a parameter, as _stand_in)
+            elif not script:  # (_stand_in asked only of what is not a Parameter)
                 for p in m._parameters.values():
-                    if (
-                        type(p) is not _Parameter
-                        and p is not None
-                        and not is_parameter(p)
-                    ):
+                    if type(p) is not _Parameter and _stand_in(p):
                         state = True
                         break
         if lazy_kind and lazy is None and m.has_uninitialized_params():  # type: ignore[operator]

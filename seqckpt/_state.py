@@ -346,8 +346,8 @@ _NO_DEVICES_TYPES = ("cpu", "cuda") if _CUDA else ("cpu",)
 
 
 def _autocast_types(devices: tuple[torch.device, ...]) -> tuple[str, ...]:
-    if not devices:
-        return _NO_DEVICES_TYPES
+    """The device types whose autocast state a region with inputs on
+    ``devices`` records (:data:`_NO_DEVICES_TYPES` where there are none)."""
     types = {"cpu": None, "cuda": None} if _CUDA else {"cpu": None}
     for d in devices:
         types[d.type] = None
@@ -500,11 +500,10 @@ _any_autocast: Callable[[], bool] = getattr(
 )
 
 
-def _autocast(types: tuple[str, ...]) -> tuple[Any, ...] | None:
-    """Autocast per device type (enabled, dtype) and the cache flag; None when
-    autocast is off everywhere (one call, the common case)."""
-    if not _any_autocast():
-        return None
+def _autocast(types: tuple[str, ...]) -> tuple[Any, ...]:
+    """Autocast per device type (enabled, dtype) and the cache flag. Asked only
+    where ``_any_autocast()`` (one call) says autocast is on somewhere; where it
+    is off everywhere, the common case, the state is None."""
     state: list[Any] = [torch.is_autocast_cache_enabled()]
     for t in types:
         state += (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t))
@@ -579,9 +578,8 @@ class Ambient:
         autocast = _autocast(types) if _any_autocast() else None
         then = self.values
         if now == then and autocast == self.autocast:
-            if self.cached is None and not _parametrize._cache_enabled:
-                return _NOTHING_CHANGED
-            return None, [], self._replay_cache()
+            cache = self._replay_cache()
+            return _NOTHING_CHANGED if cache is None else (None, (), cache)
         stack = None
         if autocast != self.autocast:
             stack = ExitStack()

@@ -174,7 +174,8 @@ def checkpoint_blocks(
         {k: v for k, v in options.items() if k != "memory_budget"},
         "checkpoint_blocks",
     )
-    if _is_innermost_stack(model) and isinstance(model, nn.Sequential):
+    innermost = _is_innermost_stack(model)
+    if innermost and isinstance(model, nn.Sequential):
         return swapped(model)
     sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
     lists: list[nn.ModuleList] = []
@@ -187,7 +188,7 @@ def checkpoint_blocks(
             else:
                 assert isinstance(child, nn.ModuleList)
                 lists.append(child)
-    if _is_innermost_stack(model):
+    if innermost:
         assert isinstance(model, nn.ModuleList)
         lists.append(model)  # its blocks are what changes
     if not sequentials and not lists and not any(map(_checkpointed, model.modules())):
@@ -286,8 +287,9 @@ def _not_scriptable(name: str) -> None:
 
 
 def _checkpoints_itself(module: nn.Module) -> bool:
-    """A module whose own code checkpoints its blocks: HF's layers with
-    ``gradient_checkpointing`` set, a timm model with ``grad_checkpointing``."""
+    """A module whose own code checkpoints its blocks: HF transformers' and
+    diffusers' with ``gradient_checkpointing`` set, a timm model with
+    ``grad_checkpointing``."""
     return any(
         module.__dict__.get(flag) is True
         for flag in ("gradient_checkpointing", "grad_checkpointing")
