@@ -623,14 +623,25 @@ def _fingerprint(t: torch.Tensor) -> torch.Tensor | None:
     Reductions accumulate in float64 without a float64 copy of ``t``; the only
     temporaries are the two vectors of partial sums. A wrapper subclass
     (DTensor) is read through the tensors that hold its data (a rank's shard):
-    their fingerprints, summed with weights."""
+    their fingerprints, summed with weights.
+
+    None (checked by shape only) for what has no comparable values: sparse,
+    quantized, meta and empty tensors, and byte workspaces (a flat uint8
+    tensor: the workspace oneDNN's LSTM saves on the CPU, cuDNN's RNN and
+    batch norm reserve), which hold bytes the kernel leaves unwritten."""
     inner = plain_tensors(t)
     if inner[0] is not t:
         prints = [p for p in map(_fingerprint, inner) if p is not None]
         if not prints:
             return None
         return torch.stack([i * p for i, p in enumerate(prints, 1)]).sum(dim=0)
-    if t.is_sparse or t.is_quantized or t.is_meta or t.numel() == 0:
+    if (
+        t.is_sparse
+        or t.is_quantized
+        or t.is_meta
+        or t.numel() == 0
+        or (t.dtype is torch.uint8 and t.dim() == 1)
+    ):
         return None
     x = t.detach()
     if x.is_complex():

@@ -6,6 +6,7 @@ import collections
 import copy
 import functools
 import gc
+import importlib
 import threading
 import warnings
 import weakref
@@ -567,6 +568,61 @@ def test_complex_saved_tensors_conjugate_views_included(
         torch.randn(4, 16, requires_grad=True),
         lambda m, x: checkpoint(m, x, determinism_check=check, policy=keep),
     )
+
+
+class _WithWorkspace(torch.autograd.Function):
+    """An op that, as oneDNN's LSTM, saves a byte workspace whose bytes differ
+    from call to call (unwritten memory there; a call counter here)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        _WithWorkspace.calls += 1
+        workspace = torch.full((64,), _WithWorkspace.calls % 256, dtype=torch.uint8)
+        ctx.save_for_backward(x, workspace)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        x, _ = ctx.saved_tensors
+        return grad * x.cos()
+
+
+@pytest.mark.parametrize("policy", [None, "everything"])
+def test_values_check_reads_byte_workspaces_by_shape_only(policy: str | None) -> None:
+    # "values" compared the workspace's bytes and raised a false CheckpointError
+    keep = (lambda op, *args, **kwargs: True) if policy else None
+    lin = nn.Linear(8, 8)
+    assert_matches_plain(
+        lin,
+        torch.randn(4, 8, requires_grad=True),
+        lambda m, x: checkpoint(
+            lambda h: _WithWorkspace.apply(m(h)) * 2,
+            x,
+            determinism_check="values",
+            policy=keep,
+        ),
+        plain=lambda m, x: _WithWorkspace.apply(m(x)) * 2,
+    )
+
+
+@pytest.mark.parametrize("check", ["default", "values"])
+def test_stacked_lstm_with_dropout(check: str) -> None:
+    # on the CPU its op (oneDNN's) saves a workspace with unwritten bytes
+    assert_matches_plain(
+        nn.LSTM(8, 8, num_layers=2, dropout=0.2, batch_first=True),
+        torch.randn(2, 5, 8, requires_grad=True),
+        lambda m, x: checkpoint(lambda h: m(h)[0], x, determinism_check=check),
+        plain=lambda m, x: m(x)[0],
+    )
+
+
+def test_values_check_still_reads_other_integer_tensors() -> None:
+    fingerprint = importlib.import_module("seqckpt.checkpoint")._fingerprint
+    assert fingerprint(torch.zeros(64, dtype=torch.uint8)) is None
+    assert fingerprint(torch.zeros(8, 8, dtype=torch.uint8)) is not None
+    assert fingerprint(torch.zeros(64, dtype=torch.int64)) is not None
 
 
 def test_none_check_still_counts() -> None:
