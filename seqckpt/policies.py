@@ -498,6 +498,20 @@ class Kept:
 # op -> (position, name) of every argument it writes into (in place or out=)
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
+# Batch norm ops that update the running statistics they are given (in
+# training) although their schema does not say so; the position of the
+# training flag. An op output passed as running statistics
+# (InstanceNorm(track_running_stats=True) repeats its buffers per sample) is
+# changed by them after it was kept.
+_UNDECLARED_STATS_WRITES = {
+    op.default: 5
+    for op in (
+        torch.ops.aten.native_batch_norm,
+        torch.ops.aten.cudnn_batch_norm,
+        torch.ops.aten.miopen_batch_norm,
+    )
+}
+
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The tensors ``func`` writes into when called with these arguments."""
@@ -508,6 +522,11 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
             for i, a in enumerate(func._schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
         )
+    training = _UNDECLARED_STATS_WRITES.get(func)
+    if training is not None and (
+        args[training] if len(args) > training else kwargs.get("training")
+    ):
+        spec = (*spec, (3, "running_mean"), (4, "running_var"))
     found: list[Any] = []
     for i, name in spec:
         value = args[i] if i < len(args) else kwargs.get(name)
@@ -553,7 +572,7 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self.place = place + 1
         if written:
             # An op that writes into a tensor (dropout's bernoulli_, an in-place
-            # activation) is never kept: serving its output would skip the
+            # activation, batch norm in training) is never kept: serving its output would skip the
             # write, and later ops read the tensor it writes, not its output.
             return out
         if self.policy.keeps(func, args, kwargs):

@@ -599,6 +599,61 @@ def test_a_kept_output_changed_in_place_is_computed_again(overwrite: str) -> Non
     )
 
 
+@pytest.mark.parametrize("check", ["default", "values"])
+@pytest.mark.parametrize("keep", ["everything", "all_but_batch_norm"])
+def test_running_statistics_an_op_made_are_not_served_stale(
+    check: str, keep: str
+) -> None:
+    # InstanceNorm(track_running_stats=True) repeats its buffers per sample and
+    # batch norm updates the copies, without its schema saying so: a kept copy
+    # was served updated to the recompute, which updated it again ("values"
+    # raised), and a block reading the statistics got other values than in
+    # forward (wrong gradients where batch norm itself was not kept).
+    def policy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        return keep == "everything" or op is not aten.native_batch_norm.default
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        mean, var = h.new_zeros(h.shape[1]) + 0, h.new_ones(h.shape[1]) * 1
+        y = nn.functional.batch_norm(h, mean, var, training=True, momentum=0.5)
+        return y * mean[:, None] + var[:, None]
+
+    for model, run in (
+        (nn.InstanceNorm1d(4, track_running_stats=True, affine=True), None),
+        (nn.Linear(8, 8), lambda m, x: block(m(x))),
+    ):
+        x = torch.randn(2, 4, 8, requires_grad=True)
+        call = run or (lambda m, x: m(x))
+        assert_matches_plain(
+            model,
+            x,
+            lambda m, x, call=call: checkpoint(
+                call,
+                m,
+                x,
+                policy=policy,
+                determinism_check=check,
+            ),
+            plain=call,
+        )
+
+
+def test_batch_norm_in_training_is_not_kept() -> None:
+    # it writes its running statistics: served, it would skip the write
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    x = torch.randn(3, 4)
+    kept = {
+        o.op
+        for o in seqckpt.what_is_kept(model, x, policy=POLICIES["everything"]).outputs
+    }
+    assert "aten::addmm" in kept and "aten::native_batch_norm" not in kept
+    model.eval()
+    kept = {
+        o.op
+        for o in seqckpt.what_is_kept(model, x, policy=POLICIES["everything"]).outputs
+    }
+    assert "aten::native_batch_norm" in kept
+
+
 @pytest.mark.parametrize(
     "options",
     [
