@@ -498,18 +498,24 @@ class Kept:
 # op -> (position, name) of every argument it writes into (in place or out=)
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
-# Batch norm ops that update the running statistics they are given (in
-# training) although their schema does not say so; the position of the
-# training flag. An op output passed as running statistics
-# (InstanceNorm(track_running_stats=True) repeats its buffers per sample) is
-# changed by them after it was kept.
-_UNDECLARED_STATS_WRITES = {
-    op.default: 5
-    for op in (
-        torch.ops.aten.native_batch_norm,
-        torch.ops.aten.cudnn_batch_norm,
-        torch.ops.aten.miopen_batch_norm,
-    )
+# Batch norm ops that update the running statistics they are given although
+# their schema does not say so: the position of their training flag (None:
+# always) and those of the statistics. An op output passed as running
+# statistics (InstanceNorm(track_running_stats=True) repeats its buffers per
+# sample) is changed by them after it was kept.
+_UNDECLARED_WRITES: dict[Any, tuple[int | None, tuple[tuple[int, str], ...]]] = {
+    **{
+        op.default: (5, ((3, "running_mean"), (4, "running_var")))
+        for op in (
+            torch.ops.aten.native_batch_norm,
+            torch.ops.aten.cudnn_batch_norm,
+            torch.ops.aten.miopen_batch_norm,
+        )
+    },
+    torch.ops.aten.batch_norm_update_stats.default: (
+        None,
+        ((1, "running_mean"), (2, "running_var")),
+    ),
 }
 
 
@@ -522,11 +528,13 @@ def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[A
             for i, a in enumerate(func._schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write
         )
-    training = _UNDECLARED_STATS_WRITES.get(func)
-    if training is not None and (
-        args[training] if len(args) > training else kwargs.get("training")
-    ):
-        spec = (*spec, (3, "running_mean"), (4, "running_var"))
+    undeclared = _UNDECLARED_WRITES.get(func)
+    if undeclared is not None:
+        training, stats = undeclared
+        if training is None or (
+            args[training] if len(args) > training else kwargs.get("training")
+        ):
+            spec = (*spec, *stats)
     found: list[Any] = []
     for i, name in spec:
         value = args[i] if i < len(args) else kwargs.get(name)
