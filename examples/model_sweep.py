@@ -22,12 +22,14 @@ Usage (with torchvision, timm, transformers and diffusers installed; a missing p
 models are skipped)::
 
     python examples/model_sweep.py                       # default policy only
-    python examples/model_sweep.py --policies none,compute_heavy,everything
+    python examples/model_sweep.py --policies none,compute_heavy,values,everything
     python examples/model_sweep.py --only mixtral,swin   # names containing these
     python examples/model_sweep.py --only transformers --hf-route blocks
 
-``everything`` keeps every op's output and checks fingerprints of every saved
-tensor (``determinism_check="values"``). Exits 1 if any model fails.
+``values`` keeps nothing and compares fingerprints of every tensor the
+recompute saves with the forward's (``determinism_check="values"``);
+``everything`` keeps every op's output and checks the same. Exits 1 if any
+model fails.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ Case = tuple[str, Callable[[], nn.Module], Any, Callable[[Any], torch.Tensor], s
 POLICIES: dict[str, dict[str, Any]] = {
     "none": {},
     "compute_heavy": {"policy": "compute_heavy"},
+    "values": {"determinism_check": "values"},  # the recompute fingerprinted
     "everything": {
         "policy": lambda op, *args, **kwargs: True,
         "determinism_check": "values",
