@@ -835,6 +835,49 @@ def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
     assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t: m(t), x))
 
 
+class EmaCodebook(nn.Module):
+    """A vector quantizer whose codebook follows an exponential moving average
+    of what it is assigned, updated in forward (VQ-VAE style), either in place
+    under no_grad or, as older code does, through ``.data``."""
+
+    def __init__(self, through_data: bool) -> None:
+        super().__init__()
+        self.through_data = through_data
+        self.register_buffer("codes", torch.randn(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.cdist(x, self.codes).argmin(-1)
+        quantized = self.codes[index]
+        if self.training:
+            assigned = nn.functional.one_hot(index, 6).to(x.dtype)
+            mean = (assigned.T @ x.detach()) / (assigned.sum(0)[:, None] + 1)
+            if self.through_data:
+                self.codes.data.mul_(0.5).add_(mean, alpha=0.5)
+            else:
+                with torch.no_grad():
+                    self.codes.mul_(0.5).add_(mean, alpha=0.5)
+        return x * quantized
+
+
+@pytest.mark.parametrize(
+    ("through_data", "check"),
+    [(False, "default"), (False, "values"), (True, "values")],
+)
+def test_buffer_written_in_forward_under_no_grad(
+    through_data: bool, check: str
+) -> None:
+    # A write through .data moves no version counter (.data hides it from
+    # autograd), so only "values", which keeps every floating-point buffer's
+    # first value, sees it; the README states the limit and both remedies.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), EmaCodebook(through_data), nn.Linear(4, 4))
+    assert_matches_plain(
+        model,
+        torch.randn(5, 4, requires_grad=True),
+        lambda m, x: checkpoint(m, x, determinism_check=check),
+    )
+
+
 def scripted_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
