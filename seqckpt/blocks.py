@@ -103,7 +103,10 @@ def checkpoint_blocks(
     """Checkpoint the stacks of repeated blocks inside ``model``, in place.
 
     A stack is an ``nn.Sequential`` or ``nn.ModuleList`` whose children are two
-    or more modules of one class. Only the innermost stacks are taken (a stack
+    or more modules of one class, or an ``nn.ModuleList`` of two or more blocks
+    (modules with submodules) of several classes (a hybrid stack: Jamba's
+    Mamba and attention layers); a list of routed experts (an ``nn.ModuleList``
+    named ``experts``) is not one. Only the innermost stacks are taken (a stack
     holding stacks, such as ConvNeXt's ``stages``, stays as it is), so
     checkpoints do not nest. Parameters, optimisers and ``state_dict`` keys
     are unchanged: the same block objects stay where they were.
@@ -181,7 +184,7 @@ def checkpoint_blocks(
     lists: list[nn.ModuleList] = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if not _is_innermost_stack(child):
+            if not _is_innermost_stack(child, name):
                 continue
             if isinstance(child, nn.Sequential):
                 sequentials.append((parent, name, child))
@@ -195,7 +198,8 @@ def checkpoint_blocks(
         warnings.warn(
             f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
             f"nn.Sequential or nn.ModuleList of two or more modules of one "
-            f"class) in {type(model).__name__}, so nothing is checkpointed. Swap "
+            f"class, or an nn.ModuleList of blocks of several) in "
+            f"{type(model).__name__}, so nothing is checkpointed. Swap "
             "its trunk yourself, e.g. model.features = "
             "CheckpointedSequential.from_sequential(model.features), or call "
             "seqckpt.checkpoint(block, x) in its forward.",
@@ -296,13 +300,24 @@ def _checkpoints_itself(module: nn.Module) -> bool:
     )
 
 
-def _is_stack(module: nn.Module) -> bool:
-    """An nn.Sequential or nn.ModuleList of two or more modules of one class."""
-    if type(module) not in (nn.Sequential, nn.ModuleList):
+def _is_stack(module: nn.Module, name: str = "") -> bool:
+    """An nn.Sequential or nn.ModuleList of two or more modules of one class,
+    or an nn.ModuleList of two or more blocks (modules holding submodules) of
+    several classes: a hybrid stack (Jamba's Mamba and attention layers).
+    Not a list of routed experts (one named ``experts``, as mixture-of-experts
+    layers name it, ``name`` being where its parent holds it): a token goes
+    to a few of them, and the layer holding them is the block."""
+    kind = type(module)
+    if kind is not nn.Sequential and kind is not nn.ModuleList:
         return False
     blocks = list(module._modules.values())  # a shared block as often as it is there
-    kinds = {type(m) for m in blocks}
-    return len(blocks) >= 2 and len(kinds) == 1 and blocks[0] is not None
+    if len(blocks) < 2 or any(m is None for m in blocks):
+        return False
+    if kind is nn.ModuleList and "expert" in name.rpartition(".")[2].lower():
+        return False
+    if len({type(m) for m in blocks}) == 1:
+        return True
+    return kind is nn.ModuleList and all(m._modules for m in blocks)  # type: ignore[union-attr]
 
 
 def _checkpointed(module: nn.Module) -> bool:
@@ -312,9 +327,11 @@ def _checkpointed(module: nn.Module) -> bool:
     )
 
 
-def _is_innermost_stack(module: nn.Module) -> bool:
+def _is_innermost_stack(module: nn.Module, name: str = "") -> bool:
     """A stack holding no other stack and nothing checkpointed already
     (checkpoints do not nest, also over two calls)."""
-    return _is_stack(module) and not any(
-        _is_stack(m) or _checkpointed(m) for m in module.modules() if m is not module
+    return _is_stack(module, name) and not any(
+        _is_stack(m, n) or _checkpointed(m)
+        for n, m in module.named_modules()
+        if m is not module
     )

@@ -233,6 +233,69 @@ def test_mixed_module_lists_are_not_stacks() -> None:
     assert all(isinstance(m.__dict__["forward"], CheckpointedForward) for m in same)
 
 
+class Mixer(nn.Module):
+    """A second kind of layer (Jamba interleaves Mamba layers like it with
+    attention layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mix(x)
+
+
+class Experts(nn.Module):
+    """A mixture-of-experts layer as older HF models and hand-written ones
+    have it: a router and an nn.ModuleList of experts, each token sent to one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(6, 3)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 6)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            picked = choice == i
+            if picked.any():
+                out[picked] = expert(x[picked])
+        return x + out
+
+
+def test_hybrid_and_mixture_of_experts_stacks() -> None:
+    # A ModuleList of blocks of two classes was no stack (nothing
+    # checkpointed); in MoE layers the experts list was the innermost stack, so
+    # each expert call became a region and the layers around were left alone.
+    for blocks in (
+        lambda: [Block(), Mixer(), Block(), Mixer()],
+        lambda: [Experts(), Experts(), Experts()],
+    ):
+
+        def make(blocks: Any = blocks) -> Loop:
+            torch.manual_seed(0)
+            return Loop(blocks())
+
+        model = make()
+        seqckpt.checkpoint_blocks(model)
+        assert all(
+            isinstance(m.__dict__.get("forward"), CheckpointedForward)
+            == (m in list(model.stack))
+            for m in model.modules()
+        )
+        assert_matches_plain(
+            make,
+            torch.randn(8, 6, requires_grad=True),
+            lambda m, t: seqckpt.checkpoint_blocks(m)(t),
+        )
+    leaves = nn.ModuleList([nn.Linear(6, 6), nn.LayerNorm(6)])  # layers, not blocks
+    with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
+        seqckpt.checkpoint_blocks(leaves)
+
+
 class Loop(nn.Module):
     """A model whose forward loops over its blocks in an nn.ModuleList (the
     distributed tests' model too)."""
