@@ -106,7 +106,7 @@ def checkpoint_blocks(
     or more modules of one class, or an ``nn.ModuleList`` of two or more blocks
     (modules with submodules) of several classes (a hybrid stack: Jamba's
     Mamba and attention layers); a list of routed experts (an ``nn.ModuleList``
-    named ``experts``) is not one. Only the innermost stacks are taken (a stack
+    named ``experts`` or the like) is not one. Only the innermost stacks are taken (a stack
     holding stacks, such as ConvNeXt's ``stages``, stays as it is), so
     checkpoints do not nest. Parameters, optimisers and ``state_dict`` keys
     are unchanged: the same block objects stay where they were.
@@ -304,9 +304,10 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
     """An nn.Sequential or nn.ModuleList of two or more modules of one class,
     or an nn.ModuleList of two or more blocks (modules holding submodules) of
     several classes: a hybrid stack (Jamba's Mamba and attention layers).
-    Not a list of routed experts (one named ``experts``, as mixture-of-experts
-    layers name it, ``name`` being where its parent holds it): a token goes
-    to a few of them, and the layer holding them is the block."""
+    Not a list of routed experts (an nn.ModuleList whose name, ``name`` being
+    where its parent holds it, holds "expert": ``experts``, ``local_experts``,
+    as mixture-of-experts layers name it): a token goes to a few of them, and
+    the layer holding them is the block."""
     kind = type(module)
     if kind is not nn.Sequential and kind is not nn.ModuleList:
         return False

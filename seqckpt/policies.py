@@ -580,8 +580,9 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         self.place = place + 1
         if written:
             # An op that writes into a tensor (dropout's bernoulli_, an in-place
-            # activation, batch norm in training) is never kept: serving its output would skip the
-            # write, and later ops read the tensor it writes, not its output.
+            # activation, batch norm in training) is never kept: serving its
+            # output would skip the write, and later ops read the tensor it
+            # writes, not its output.
             return out
         if self.policy.keeps(func, args, kwargs):
             rng = rng_after(func, kwargs, out)
