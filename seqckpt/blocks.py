@@ -182,10 +182,20 @@ def checkpoint_blocks(
         return swapped(model)
     sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
     lists: list[nn.ModuleList] = []
+    # What lies inside a stack taken or a module checkpointed already (a stack
+    # of layers inside a block: Res2Net's convs) is not taken: no nesting.
+    covered = {
+        id(inner)
+        for m in model.modules()
+        if m is model and innermost or _checkpointed(m)
+        for inner in m.modules()
+        if inner is not m
+    }
     for parent in model.modules():
         for name, child in parent.named_children():
-            if not _is_innermost_stack(child, name):
+            if id(child) in covered or not _is_innermost_stack(child, name):
                 continue
+            covered.update(id(inner) for inner in child.modules() if inner is not child)
             if isinstance(child, nn.Sequential):
                 sequentials.append((parent, name, child))
             else:
@@ -329,10 +339,14 @@ def _checkpointed(module: nn.Module) -> bool:
 
 
 def _is_innermost_stack(module: nn.Module, name: str = "") -> bool:
-    """A stack holding no other stack and nothing checkpointed already
-    (checkpoints do not nest, also over two calls)."""
+    """A stack holding no other stack of blocks and nothing checkpointed
+    already (checkpoints do not nest, also over two calls). A stack of layers
+    without submodules inside a block (Res2Net's ``convs``, CoaT's
+    ``conv_list``: a few convolutions of a block, not a stack of blocks) does
+    not stop the blocks from being the stack."""
     return _is_stack(module, name) and not any(
-        _is_stack(m, n) or _checkpointed(m)
+        (_is_stack(m, n) and any(b._modules for b in m._modules.values()))  # type: ignore[union-attr]
+        or _checkpointed(m)
         for n, m in module.named_modules()
         if m is not module
     )

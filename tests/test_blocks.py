@@ -296,6 +296,45 @@ def test_hybrid_and_mixture_of_experts_stacks() -> None:
         seqckpt.checkpoint_blocks(leaves)
 
 
+class SplitBlock(nn.Module):
+    """A Res2Net-style block: a few layers of its own in an nn.ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
+        self.norm = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=-1)
+        a = self.convs[0](a).relu()
+        b = self.convs[1](b + a).relu()
+        return x + self.norm(torch.cat([a, b], dim=-1))
+
+
+def test_layers_inside_blocks_leave_the_blocks_the_stack() -> None:
+    # The blocks' own nn.ModuleList of layers was the innermost stack: one
+    # region per layer call, the stage of blocks left alone (no memory saved).
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(6, 6), nn.Sequential(*[SplitBlock() for _ in range(4)])
+        )
+
+    model = make()
+    for _ in range(2):  # a second call changes nothing
+        seqckpt.checkpoint_blocks(model, segments=2)
+        assert type(model[1]) is CheckpointedSequential
+        assert not any(
+            isinstance(m.__dict__.get("forward"), CheckpointedForward)
+            for m in model.modules()
+        )
+    assert_matches_plain(
+        make,
+        torch.randn(8, 6, requires_grad=True),
+        lambda m, t: seqckpt.checkpoint_blocks(m, segments=2)(t),
+    )
+
+
 class Loop(nn.Module):
     """A model whose forward loops over its blocks in an nn.ModuleList (the
     distributed tests' model too)."""
