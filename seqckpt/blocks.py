@@ -187,7 +187,7 @@ def checkpoint_blocks(
     covered = {
         id(inner)
         for m in model.modules()
-        if m is model and innermost or _checkpointed(m)
+        if (m is model and innermost) or _checkpointed(m)
         for inner in m.modules()
         if inner is not m
     }
