@@ -91,3 +91,67 @@ def test_diffusers_models_through_both_routes(
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("bitwise equal") == 5 * 3 and "0 failed" in out
+
+
+@pytest.mark.slow
+def test_hf_trainer_keeps_seqckpt_as_the_checkpoint_function(tmp_path: Path) -> None:
+    # The README's Trainer route: seqckpt set as the layers' checkpoint function
+    # before building the Trainer, HF's own flag left off in the arguments. Two
+    # steps are bitwise those of a plain Trainer run; with the flag on, the
+    # Trainer puts torch's function back (the README warns of it).
+    import copy
+    import functools
+
+    import torch
+
+    import seqckpt
+
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        attention_dropout=0.1,
+    )  # fmt: skip
+    base = transformers.LlamaForCausalLM(config)
+    data = [
+        {
+            "input_ids": torch.randint(0, 128, (12,)),
+            "labels": torch.randint(0, 128, (12,)),
+        }
+        for _ in range(8)
+    ]
+    fields = transformers.TrainingArguments.__dataclass_fields__
+    flag = next(
+        f for f in ("activation_checkpointing", "gradient_checkpointing") if f in fields
+    )
+
+    def train(with_seqckpt: bool, hf_flag: bool) -> tuple[Any, list[Any], str]:
+        model = copy.deepcopy(base)
+        if with_seqckpt:
+            getattr(model, f"{flag}_enable")()
+            model._set_gradient_checkpointing(
+                enable=True,
+                gradient_checkpointing_func=functools.partial(
+                    seqckpt.checkpoint, use_reentrant=False
+                ),
+            )
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+            logging_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+            **{flag: hf_flag},
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        function = getattr(model.model, "_gradient_checkpointing_func", None)
+        where = getattr(getattr(function, "func", function), "__module__", "")
+        return losses, [p.detach().clone() for p in model.parameters()], where
+
+    plain_losses, plain_weights, _ = train(False, False)
+    losses, weights, where = train(True, False)
+    assert where == "seqckpt.checkpoint"
+    assert losses == plain_losses and len(losses) == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
+    assert train(True, True)[2] == "torch.utils.checkpoint"
