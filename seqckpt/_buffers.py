@@ -59,7 +59,7 @@ from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from seqckpt._state import generators_held, unseen
+from seqckpt._state import _GENERATOR, generators_held, unseen
 
 __all__ = [
     "BufferGuard",
@@ -70,7 +70,6 @@ __all__ = [
 ]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
-_GENERATOR = torch.Generator
 
 
 def _quantizer_types() -> tuple[type, ...]:

@@ -49,11 +49,13 @@ from seqckpt import _state
 from seqckpt import policies as _policies
 from seqckpt._buffers import (
     BufferGuard,
+    _Tensor,
     is_parameter,
     modules_of,
     survey,
     watching_modules,
 )
+from seqckpt._state import _GENERATOR
 from seqckpt._tree import plain_tensors, replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy, uncounted_op
 
@@ -1196,7 +1198,6 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
 
 
 _training = operator.attrgetter("training")
-_GENERATOR = torch.Generator
 _version = operator.attrgetter("_version")
 
 
@@ -1303,9 +1304,6 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _hooks_enabled: Callable[[], bool] = getattr(
     torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True
 )
-
-
-_Tensor = torch.Tensor
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
