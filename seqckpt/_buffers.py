@@ -41,6 +41,15 @@ The first-run copies of the others are dropped when the first run ends; only
 the tensor objects are kept, to be put back where a slot holds another one by
 the time of the recompute (a ``functional_call`` stand-in).
 
+A buffer of :data:`COPY_LIMIT` bytes or more (a causal mask, a table of decay
+factors or positions) is not copied when the region starts, where the copy
+would add its size to the region's peak and most such buffers are never
+written: a dispatch mode (:class:`WriteWatch`) sees every op of the first run
+and copies the buffer just before the first op that writes into its memory
+(through any view or ``.data`` alias). A write it cannot see (a kernel outside
+PyTorch's dispatcher that moves the version counter) is an error: its first
+values are gone. ``conservative=True`` copies every buffer up front.
+
 Internal: nothing here is public API.
 """
 
@@ -58,11 +67,15 @@ import torch
 from torch import nn
 from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from seqckpt._state import _GENERATOR, generators_held, unseen
+from seqckpt._writes import written_by
 
 __all__ = [
+    "COPY_LIMIT",
     "BufferGuard",
+    "WriteWatch",
     "is_parameter",
     "modules_of",
     "survey",
@@ -85,11 +98,16 @@ _QUANTIZERS = _quantizer_types()
 
 
 def modules_of(
-    function: object, generators: list[torch.Generator] | None = None
+    function: object,
+    generators: list[torch.Generator] | None = None,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
 ) -> list[nn.Module]:
-    """The modules a callable visibly runs (see the module docstring); the
-    ``torch.Generator`` objects the walk meets on the way (a closure over
-    one) are added to ``generators`` where it is given.
+    """The modules a callable visibly runs (see the module docstring), also
+    those among (or held by) the arguments it is called with
+    (``checkpoint(run, block, x)``); the ``torch.Generator`` objects the walk
+    meets on the way (a closure over one) are added to ``generators`` where
+    it is given.
 
     Example:
         >>> from torch import nn
@@ -102,14 +120,18 @@ def modules_of(
         >>> [type(m).__name__ for m in modules_of(chunk((nn.Linear(2, 2), nn.Tanh())))]
         ['Linear', 'Tanh']
     """
-    if isinstance(function, nn.Module):
+    # (tensors, the usual arguments, hold no modules: not walked)
+    level: list[object] = [a for a in args if type(a) is not _Tensor]
+    if kwargs:
+        level.extend(a for a in kwargs.values() if type(a) is not _Tensor)
+    if not level and isinstance(function, nn.Module):
         return [function]
+    level.insert(0, function)
     # Breadth first, so that the modules nearest the callable are found before
     # the walk spends its budget on a large object graph it reached (a closure
     # over a training script's object that also holds the dataset).
     found: dict[int, nn.Module] = {}
     seen: set[int] = set()
-    level: list[object] = [function]
     budget = _WALK_BUDGET
     for depth in range(_WALK_DEPTH + 1):
         below: list[object] = []
@@ -279,6 +301,39 @@ def survey(
     return lazy, state, walked, unfilled
 
 
+# Bytes from which a buffer is copied at its first write in a region's first
+# run (see the module docstring) rather than when the region starts
+COPY_LIMIT = 64 * 1024
+
+
+def _copied_when_written(b: torch.Tensor, conservative: bool) -> bool:
+    return (
+        not conservative
+        and type(b) is _Tensor
+        and b.layout is torch.strided
+        and not b.is_meta
+        and b.numel() * b.element_size() >= COPY_LIMIT
+    )
+
+
+class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
+    """Active during a region's first run when its guard defers buffers: hands
+    every op's written tensors to :meth:`BufferGuard.before_write` before the
+    op runs."""
+
+    def __init__(self, guard: BufferGuard) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.guard = guard
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.guard.unwritten and (written := written_by(func, args, kwargs)):
+            self.guard.before_write(written)
+        return func(*args, **kwargs)
+
+
 def _snapshot(b: torch.Tensor) -> torch.Tensor:
     """A copy of ``b``, made unseen by dispatch modes (see ``_state.unseen``)."""
     return unseen(_copy, b)
@@ -338,7 +393,15 @@ class BufferGuard:
     put back the caller's.
     """
 
-    __slots__ = ("conservative", "visited", "entries", "stand_ins", "held")
+    __slots__ = (
+        "conservative",
+        "visited",
+        "entries",
+        "stand_ins",
+        "held",
+        "deferred",
+        "unwritten",
+    )
 
     @staticmethod
     def of(modules: Iterable[nn.Module], conservative: bool) -> BufferGuard | None:
@@ -347,7 +410,9 @@ class BufferGuard:
         guard = BufferGuard(conservative)
         for module in modules:
             guard.watch(module)
-        return guard if guard.entries or guard.stand_ins or conservative else None
+        if guard.entries or guard.stand_ins or guard.deferred or conservative:
+            return guard
+        return None
 
     def __init__(self, conservative: bool) -> None:
         self.conservative = conservative
@@ -361,6 +426,11 @@ class BufferGuard:
         # buffers the first run left as they were
         self.stand_ins: list[tuple[nn.Module, str, torch.Tensor]] = []
         self.held: list[tuple[nn.Module, str, torch.Tensor]] = []
+        # Buffers of COPY_LIMIT bytes or more, copied at their first write:
+        # (module, name, tensor, version at first sight, first value or None),
+        # and by storage those not written yet (indices into deferred)
+        self.deferred: list[list[Any]] = []
+        self.unwritten: dict[int, list[int]] = {}
 
     def watch(self, module: nn.Module) -> None:
         visited = self.visited
@@ -390,14 +460,56 @@ class BufferGuard:
                             or (m.training and (script or name in _HIDDEN_WRITES))
                         )
                     )
-                    self.entries.append((m, name, b, b._version, _snapshot(b), hidden))
+                    if hidden or not _copied_when_written(b, self.conservative):
+                        self.entries.append(
+                            (m, name, b, b._version, _snapshot(b), hidden)
+                        )
+                    else:
+                        key = b.untyped_storage()._cdata
+                        self.unwritten.setdefault(key, []).append(len(self.deferred))
+                        self.deferred.append([m, name, b, b._version, None])
             todo.extend(sub for sub in m._modules.values() if sub is not None)
 
-    def settle(self) -> None:
+    def before_write(self, written: list[torch.Tensor]) -> None:
+        """Copy the deferred buffers whose memory an op is about to write."""
+        for t in written:
+            if type(t) is not _Tensor or t.is_meta or t.layout is not torch.strided:
+                continue
+            for i in self.unwritten.pop(t.untyped_storage()._cdata, ()):
+                entry = self.deferred[i]
+                entry[4] = _snapshot(entry[2])
+
+    def _deferred_entries(self) -> list[tuple[Any, ...]]:
+        """The deferred buffers written so far, as entries (kept whatever their
+        version counter says: the write may be one that does not move it)."""
+        return [
+            (m, n, b, v, first, True)
+            for m, n, b, v, first in self.deferred
+            if first is not None
+        ]
+
+    def settle(self) -> str | None:
         """The first run ended: keep the first values of the buffers it may
         have changed; of the others only the tensor (``functional_call`` may
-        have put it there for this call only)."""
+        have put it there for this call only). Returns what went wrong where a
+        deferred buffer was written unseen (its first values are gone)."""
         self.visited = None
+        lost = None
+        for module, name, tensor, version, first in self.deferred:
+            if first is None and tensor._version != version:
+                lost = (
+                    f"seqckpt: buffer {name!r} of {type(module).__name__} was "
+                    "written during the checkpointed forward by something that "
+                    "PyTorch's dispatcher does not see (its version counter "
+                    "moved, but no op wrote into it), so its first values, which "
+                    "the recompute needs, are gone. Pass "
+                    'determinism_check="values" (every buffer is copied '
+                    "when the region starts), or write it with torch operations."
+                )
+            elif first is None:
+                self.held.append((module, name, tensor))
+        self.entries += self._deferred_entries()
+        self.deferred, self.unwritten = [], {}
         changed = []
         for e in self.entries:
             module, name, tensor, version, _, hidden = e
@@ -410,12 +522,13 @@ class BufferGuard:
             else:
                 self.held.append((module, name, tensor))
         self.entries = changed
+        return lost
 
     def replay(self) -> list[Undo] | None:
         """Put the first-run tensors and values in place; returns what
         :meth:`restore` needs, or None when there was nothing to put."""
         moved = [h for h in self.held if _held(h[0], h[1]) is not h[2]]
-        if not (self.entries or self.stand_ins or moved):
+        if not (self.entries or self.stand_ins or moved or self.deferred):
             return None
         return unseen(self._replay, moved)
 
@@ -429,13 +542,20 @@ class BufferGuard:
             for module, name, tensor in moved:
                 undo.append((module, name, False, _held(module, name), None))
                 _put(module, name, tensor)
-            for module, name, tensor, _, first, _ in self.entries:
+            # (deferred: a backward inside the first run, before settle)
+            assigned: set[int] = set()  # (one tensor may sit in several slots)
+            for module, name, tensor, _, first, _ in (
+                self.entries + self._deferred_entries()
+            ):
                 now = _held(module, name)
-                after = _copy(tensor)
-                _assign(tensor, first)
+                values = None
+                if id(tensor) not in assigned:
+                    assigned.add(id(tensor))
+                    values = (tensor, _copy(tensor))
+                    _assign(tensor, first)
                 if now is not tensor:
                     _put(module, name, tensor)
-                undo.append((module, name, False, now, (tensor, after)))
+                undo.append((module, name, False, now, values))
         return undo
 
     def restore(self, undo: list[Undo]) -> None:

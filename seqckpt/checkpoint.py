@@ -49,6 +49,7 @@ from seqckpt import _state
 from seqckpt import policies as _policies
 from seqckpt._buffers import (
     BufferGuard,
+    WriteWatch,
     _Tensor,
     is_parameter,
     modules_of,
@@ -425,7 +426,11 @@ def run_region(
             "transform."
         )
     else:
-        runs = modules_of(function, found) if modules is None else list(modules)
+        runs = (
+            modules_of(function, found, args, kwargs)
+            if modules is None
+            else list(modules)
+        )
         lazy, stateful, walked, unfilled = survey(runs, found)
         if _GENERATOR in set(map(type, args)):  # given: f(x, generator=g)
             _state.generators_held(args, found)
@@ -837,7 +842,7 @@ class _Region:
             self.input_ids = None
         self.args, self.kwargs = args, kwargs
         if modules is None:
-            modules = modules_of(function)
+            modules = modules_of(function, None, args, kwargs)
         conservative = options.determinism_check == "values"
         self.guard = (
             BufferGuard.of(modules, conservative) if modules or conservative else None
@@ -858,7 +863,7 @@ class _Region:
             options.context_fn is not None
             or options.debug
             or policy is not None
-            or (guard and guard.conservative)
+            or (guard and (guard.conservative or guard.unwritten))
         ):
             # Entered one by one; if one fails (a user's context_fn), those
             # already entered are left again before the error propagates.
@@ -866,6 +871,9 @@ class _Region:
                 if guard is not None and guard.conservative:
                     # every module the region calls, however it reaches it
                     setup.enter_context(watching_modules(guard.watch))
+                if guard is not None and guard.unwritten:
+                    # large buffers, copied just before their first write
+                    setup.enter_context(WriteWatch(guard))
                 if options.context_fn is not None:
                     forward_context, self.recompute_context = _two_contexts(
                         options.context_fn
@@ -887,6 +895,7 @@ class _Region:
                     log = setup.enter_context(_OpLog())
                 extra = setup.pop_all()
         phase = _state.begin(_state.CHECKPOINTING)
+        lost = None
         self.in_forward = True
         children: list[_Region] = []
         running = _POLICY_CHILDREN.set((children, True))
@@ -910,11 +919,13 @@ class _Region:
             self.recomputed = None  # tensors recomputed for a backward run inside
             _state.end(_state.CHECKPOINTING, phase)
             if guard is not None:
-                guard.settle()
+                lost = guard.settle()
             if self.saver is not None:
                 # The saver node holds the inputs now; drop our references.
                 self.args = replace_tensors(self.args, _placeholders(self.args))
                 self.kwargs = replace_tensors(self.kwargs, _placeholders(self.kwargs))
+        if lost is not None:
+            raise CheckpointError(lost)
         if self.inputs and _versions(self.inputs) != self.versions:
             raise CheckpointError(
                 f"seqckpt: checkpointed {self._label()} modified its own "
@@ -1289,7 +1300,7 @@ def _needs_grad(
     runs, requires grad (else there is nothing a checkpoint could save); a
     tensor batched by vmap or made dual by jvp says False, the tensor it
     wraps tells."""
-    runs = modules_of(function) if modules is None else modules
+    runs = modules_of(function, None, args, kwargs) if modules is None else modules
     tensors = [*tensors_in((args, kwargs)), *(p for m in runs for p in m.parameters())]
     return any(_unwrapped(t).requires_grad for t in tensors)
 

@@ -177,7 +177,7 @@ def what_is_kept(
         _state.end(_state.CHECKPOINTING, phase)
     entries = mode.kept.entries
     alive = set(storages_in((args, kwargs)))  # held anyway: inputs, parameters...
-    for module in modules_of(function):
+    for module in modules_of(function, None, args, kwargs):
         alive.update(storages_in([*module.parameters(), *module.buffers()]))
 
     def new_bytes(out: Any) -> int:

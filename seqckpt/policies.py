@@ -57,6 +57,7 @@ from torch.utils.checkpoint import (
 
 from seqckpt._state import generator_key, philox_state, put_philox_state
 from seqckpt._tree import storages_in
+from seqckpt._writes import written_by
 
 __all__ = ["COMPUTE_HEAVY", "Policy", "as_policy", "name", "names", "ops"]
 
@@ -495,55 +496,6 @@ class Kept:
             del self.entries[key]
 
 
-# op -> (position, name) of every argument it writes into (in place or out=)
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-
-# Batch norm ops that update the running statistics they are given although
-# their schema does not say so: the position of their training flag (None:
-# always) and those of the statistics. An op output passed as running
-# statistics (InstanceNorm(track_running_stats=True) repeats its buffers per
-# sample) is changed by them after it was kept.
-_UNDECLARED_WRITES: dict[Any, tuple[int | None, tuple[tuple[int, str], ...]]] = {
-    **{
-        op.default: (5, ((3, "running_mean"), (4, "running_var")))
-        for op in (
-            torch.ops.aten.native_batch_norm,
-            torch.ops.aten.cudnn_batch_norm,
-            torch.ops.aten.miopen_batch_norm,
-        )
-    },
-    torch.ops.aten.batch_norm_update_stats.default: (
-        None,
-        ((1, "running_mean"), (2, "running_var")),
-    ),
-}
-
-
-def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The tensors ``func`` writes into when called with these arguments."""
-    spec = _WRITES.get(func)
-    if spec is None:
-        spec = _WRITES[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    undeclared = _UNDECLARED_WRITES.get(func)
-    if undeclared is not None:
-        training, stats = undeclared
-        if training is None or (
-            args[training] if len(args) > training else kwargs.get("training")
-        ):
-            spec = (*spec, *stats)
-    found: list[Any] = []
-    for i, name in spec:
-        value = args[i] if i < len(args) else kwargs.get(name)
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, torch.Tensor):
-                found.append(t)
-    return found
-
-
 class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Active during a region's forward: keeps the outputs the policy selects."""
 
@@ -571,7 +523,7 @@ class Keeping(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         out = func(*args, **kwargs)
         if uncounted_op(func, args):
             return out
-        written = _written(func, args, kwargs)
+        written = written_by(func, args, kwargs)
         if written and self.kept.entries:
             self.kept.forget_written(written)
         call = self.calls.get(func, 0)

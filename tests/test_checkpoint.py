@@ -840,16 +840,16 @@ class EmaCodebook(nn.Module):
     of what it is assigned, updated in forward (VQ-VAE style), either in place
     under no_grad or, as older code does, through ``.data``."""
 
-    def __init__(self, through_data: bool) -> None:
+    def __init__(self, through_data: bool, entries: int = 6) -> None:
         super().__init__()
         self.through_data = through_data
-        self.register_buffer("codes", torch.randn(6, 4))
+        self.register_buffer("codes", torch.randn(entries, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         index = torch.cdist(x, self.codes).argmin(-1)
         quantized = self.codes[index]
         if self.training:
-            assigned = nn.functional.one_hot(index, 6).to(x.dtype)
+            assigned = nn.functional.one_hot(index, len(self.codes)).to(x.dtype)
             mean = (assigned.T @ x.detach()) / (assigned.sum(0)[:, None] + 1)
             if self.through_data:
                 self.codes.data.mul_(0.5).add_(mean, alpha=0.5)
@@ -859,22 +859,168 @@ class EmaCodebook(nn.Module):
         return x * quantized
 
 
+# a codebook of COPY_LIMIT bytes: copied at its first write, not up front
+LARGE = seqckpt._buffers.COPY_LIMIT // 16
+
+
 @pytest.mark.parametrize(
-    ("through_data", "check"),
-    [(False, "default"), (False, "values"), (True, "values")],
+    ("through_data", "check", "entries"),
+    [
+        (False, "default", 6),
+        (False, "values", 6),
+        (True, "values", 6),
+        (False, "default", LARGE),
+        (True, "default", LARGE),
+    ],
 )
 def test_buffer_written_in_forward_under_no_grad(
-    through_data: bool, check: str
+    through_data: bool, check: str, entries: int
 ) -> None:
     # A write through .data moves no version counter (.data hides it from
-    # autograd), so only "values", which keeps every floating-point buffer's
-    # first value, sees it; the README states the limit and both remedies.
+    # autograd), so of a small buffer (copied up front, kept where the version
+    # moved) only "values", which keeps every floating-point buffer's first
+    # value, sees it; the README states the limit and both remedies. A large
+    # buffer is copied when an op is about to write into its memory, through
+    # whatever alias: .data included.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), EmaCodebook(through_data), nn.Linear(4, 4))
+    model = nn.Sequential(
+        nn.Linear(4, 4), EmaCodebook(through_data, entries), nn.Linear(4, 4)
+    )
     assert_matches_plain(
         model,
         torch.randn(5, 4, requires_grad=True),
         lambda m, x: checkpoint(m, x, determinism_check=check),
+    )
+
+
+class CausalScores(nn.Module):
+    """Attention-like scores under a causal mask held as a buffer, as older HF
+    GPT-2 and GPT-Neo layers hold theirs (``max_positions`` squared bools);
+    ``shared`` puts one mask tensor in several modules."""
+
+    def __init__(self, mask: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        if mask is None:
+            mask = torch.ones(1024, 1024, dtype=torch.bool).tril()
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        n = x.shape[-2]
+        scores = (h @ h.transpose(-1, -2)).masked_fill(~self.mask[:n, :n], -1e4)
+        return scores.softmax(-1) @ h
+
+
+def test_large_unwritten_buffer_is_not_copied() -> None:
+    # Copied when the region starts, the 1 MiB mask made the checkpointed
+    # step's peak several times torch's checkpoint's and the plain step's
+    # (transformers 4.x GPT-2 at its default n_positions).
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    model = nn.Sequential(CausalScores(), nn.Tanh(), CausalScores(), nn.Tanh())
+    x = torch.randn(2, 16, 8, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
+    peaks = {}
+    for name, run in {
+        "plain": lambda: model(x),
+        "torch": lambda: torch_checkpoint(model, x, use_reentrant=False),
+        "seqckpt": lambda: checkpoint(model, x),
+    }.items():
+        with seqckpt.track_memory() as mem:
+            run().sum().backward()
+        peaks[name] = mem.peak_bytes
+    assert peaks["seqckpt"] <= peaks["torch"], peaks
+
+
+class WritesLargeBuffer(nn.Module):
+    """Adds to a large buffer in forward, then uses it (a running table)."""
+
+    def __init__(self, table: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        if table is None:
+            table = torch.randn(LARGE, 4)
+        self.register_buffer("table", table)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.table[:8, :].add_(1.0)  # through a view
+        return (self.proj(x) + self.table[:8, 0]).sin()
+
+
+@pytest.mark.parametrize("rows", [8, LARGE])
+def test_buffer_shared_by_modules_written_in_forward(rows: int) -> None:
+    # One tensor in two modules' slots, written by both: the recompute starts
+    # from its first values, and after backward it holds both writes (it held
+    # only the first values again, the replay undone slot by slot).
+    table = torch.randn(rows, 4)
+    model = nn.Sequential(
+        WritesLargeBuffer(table), nn.Tanh(), CausalScores(), WritesLargeBuffer(table)
+    )
+    x = torch.randn(3, 8, 8, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
+
+
+@pytest.mark.parametrize("rows", [8, LARGE])
+def test_buffer_written_before_a_backward_inside_the_function(rows: int) -> None:
+    # the recompute that this inner backward asks for (while the first run
+    # goes on) must start from the table's first values too
+    model = WritesLargeBuffer(torch.randn(rows, 4))
+
+    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def inner(x: torch.Tensor) -> torch.Tensor:
+            y = m(x)
+            (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+            return y * g
+
+        return inner(x)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(run, m, x), plain=run)
+
+
+def _call(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_module_passed_as_an_argument(by_keyword: bool) -> None:
+    # checkpoint(run, block, x): the block's buffers (batch norm's running
+    # statistics) are guarded as those of a module the callable holds; they
+    # were updated twice before, as with torch's checkpoint.
+    x = torch.randn(5, 8, requires_grad=True)
+    assert_matches_plain(
+        mlp(),
+        x,
+        (lambda m, x: checkpoint(_call, module=m, x=x))
+        if by_keyword
+        else (lambda m, x: checkpoint(_call, m, x)),
+    )
+
+
+class BumpsVersionUnseen(nn.Module):
+    """Moves a large buffer's version counter without an op (as a kernel
+    outside the dispatcher that reports its write would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(LARGE, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.autograd.graph.increment_version(self.table)
+        return x.sin() + self.table[0, 0]
+
+
+def test_a_large_buffer_written_unseen_is_an_error() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(CheckpointError, match=r"^seqckpt: buffer 'table' of Bumps"):
+        checkpoint(BumpsVersionUnseen(), x)
+    # copied up front under "values": no error, and right
+    assert_matches_plain(
+        BumpsVersionUnseen(),
+        x,
+        lambda m, x: checkpoint(m, x, determinism_check="values"),
     )
 
 
