@@ -479,6 +479,15 @@ class BufferGuard:
                 entry = self.deferred[i]
                 entry[4] = _snapshot(entry[2])
 
+    def copy_deferred(self) -> None:
+        """Copy the deferred buffers now, as the smaller ones are (where no
+        dispatch mode may run: torch.compile would not compile under it)."""
+        for module, name, tensor, version, _ in self.deferred:
+            self.entries.append(
+                (module, name, tensor, version, _snapshot(tensor), False)
+            )
+        self.deferred, self.unwritten = [], {}
+
     def _deferred_entries(self) -> list[tuple[Any, ...]]:
         """The deferred buffers written so far, as entries (kept whatever their
         version counter says: the write may be one that does not move it)."""

@@ -476,20 +476,7 @@ def _warn_if_compiled(
     hook with graph breaks, so the step is slower and its numbers are not
     those of the compiled plain run. Modules are seen as the region's walk
     sees them; a compiled function called from inside a forward is not."""
-    what = None
-    if (
-        not isinstance(function, nn.Module)  # (whose __getattr__ would raise)
-        and getattr(function, "_torchdynamo_orig_callable", None) is not None
-    ):
-        what = "a function compiled with torch.compile"
-    for m in walked:
-        if type(m).__name__ == "OptimizedModule":  # torch.compile(module)
-            inner = getattr(m, "_orig_mod", m)
-            what = f"a {type(inner).__name__} compiled with torch.compile"
-        elif m.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
-            what = f"a {type(m).__name__} compiled with .compile()"
-        if what is not None:
-            break
+    what = _compiled_part(function, walked)
     if what is None:
         return
     if options.policy is not None or options.debug:
@@ -514,6 +501,23 @@ def _warn_if_compiled(
         "becomes torch's own selective checkpointing.",
         stacklevel=4,
     )
+
+
+def _compiled_part(function: object, walked: Iterable[nn.Module]) -> str | None:
+    """What ``function`` visibly runs that is compiled with ``torch.compile``
+    (itself, or a module among ``walked``), in words; None where nothing is."""
+    if (
+        not isinstance(function, nn.Module)  # (whose __getattr__ would raise)
+        and getattr(function, "_torchdynamo_orig_callable", None) is not None
+    ):
+        return "a function compiled with torch.compile"
+    for m in walked:
+        if type(m).__name__ == "OptimizedModule":  # torch.compile(module)
+            inner = getattr(m, "_orig_mod", m)
+            return f"a {type(inner).__name__} compiled with torch.compile"
+        if m.__dict__.get("_compiled_call_impl") is not None:  # module.compile()
+            return f"a {type(m).__name__} compiled with .compile()"
+    return None
 
 
 # What torch's early-stop switch held at import: None where unset; True on
@@ -847,6 +851,14 @@ class _Region:
         self.guard = (
             BufferGuard.of(modules, conservative) if modules or conservative else None
         )
+        if (
+            self.guard is not None
+            and self.guard.unwritten
+            and _compiled_part(function, walked or modules) is not None
+        ):
+            # torch.compile does not compile under the dispatch mode that
+            # copies large buffers at their first write
+            self.guard.copy_deferred()
         # Whether an op saves a tensor before filling it (see _buffers.survey):
         # the recompute runs to its end, and with "values" such tensors go
         # unfingerprinted (their fingerprints would read unfilled memory).

@@ -431,3 +431,32 @@ def test_a_compiled_module_without_a_policy_does_not_warn() -> None:
         seqckpt.checkpoint(
             block, torch.randn(2, 8, requires_grad=True)
         ).sum().backward()
+
+
+def test_a_compiled_module_beside_a_large_buffer_compiles() -> None:
+    # A buffer of COPY_LIMIT bytes or more is copied at its first write, seen
+    # by a dispatch mode, under which fullgraph=True fails ("found no compiled
+    # frames"); where the region runs a compiled module it is copied up front.
+    import seqckpt
+    from tests.test_checkpoint import CausalScores
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scores = CausalScores()  # a 1 MiB mask
+            self.mlp = torch.compile(
+                nn.Sequential(nn.Linear(8, 8), nn.GELU()),
+                fullgraph=True,
+                backend="eager",
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.scores(x))
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return Block()
+
+    torch._dynamo.reset()  # (earlier tests' compiles count toward its limits)
+    x = torch.randn(2, 16, 8, requires_grad=True)
+    assert_matches_plain(make, x, lambda m, t: seqckpt.checkpoint(m, t))
