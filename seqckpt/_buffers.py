@@ -120,10 +120,10 @@ def modules_of(
         >>> [type(m).__name__ for m in modules_of(chunk((nn.Linear(2, 2), nn.Tanh())))]
         ['Linear', 'Tanh']
     """
-    # (tensors, the usual arguments, hold no modules: not walked)
-    level: list[object] = [a for a in args if type(a) is not _Tensor]
+    # (tensors and flags, the usual arguments, hold no modules: not walked)
+    level: list[object] = [a for a in args if type(a) not in _LEAVES]
     if kwargs:
-        level.extend(a for a in kwargs.values() if type(a) is not _Tensor)
+        level.extend(a for a in kwargs.values() if type(a) not in _LEAVES)
     if not level and isinstance(function, nn.Module):
         return [function]
     level.insert(0, function)
@@ -153,6 +153,9 @@ def modules_of(
         level = below
     return list(found.values())
 
+
+# Argument types that cannot hold a module
+_LEAVES = frozenset({torch.Tensor, type(None), bool, int, float, str})
 
 # How far (objects away from the callable) and how many objects the module
 # walk looks: bounded, because it runs at every call of a region.
