@@ -16,13 +16,15 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import Options, make_options, run_region
-from seqckpt.sequential import CheckpointedSequential
+from seqckpt.sequential import CheckpointedSequential, called_by_its_stack
 
 __all__ = ["CheckpointedForward", "checkpoint_blocks"]
 
@@ -51,7 +53,7 @@ class CheckpointedForward:
         >>> block(torch.randn(2, 4, requires_grad=True)).sum().backward()
     """
 
-    __slots__ = ("module", "options", "forward")
+    __slots__ = ("module", "options", "forward", "in_sequential")
 
     def __init__(self, module: nn.Module, **options: Any) -> None:
         self._bind(module, _checked_options(options, "CheckpointedForward"))
@@ -71,6 +73,9 @@ class CheckpointedForward:
             )
         self.module = module
         self.options = options
+        # a block of a stack swapped for a CheckpointedSequential, which
+        # checkpoints only where a parent loops over the stack's blocks
+        self.in_sequential = False
         own = module.__dict__.get("forward")
         # (set again on a module that has one already, or on a DataParallel
         # replica, which copied its block's: it replaces that one)
@@ -79,7 +84,9 @@ class CheckpointedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         forward = self.forward or type(module).forward.__get__(module)
-        if not (module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()) or (
+            self.in_sequential and _run_by_its_stack(module)
+        ):
             return forward(*args, **kwargs)
         if kwargs and any(_is_cache(kwargs.get(k)) for k in _CACHES):
             warnings.warn(
@@ -237,30 +244,62 @@ def checkpoint_blocks(
         )
     for parent, name, stack in sequentials:
         setattr(parent, name, swapped(stack))
+        # Some parents loop over the stack instead of calling it (HF ResNet,
+        # BiT and CvT stages: for layer in self.layers), which the swap alone
+        # leaves plain: there each block is a region of its own.
+        for block in stack:
+            _give_checkpointed_forward(block, block_options, in_sequential=True)
     for blocks in lists:
         for block in blocks:
-            block.forward = CheckpointedForward._with_options(block, block_options)
-            if not isinstance(block, torch.jit.ScriptModule):
-                # torch.jit.script asks this first (and would fail obscurely
-                # on the forward above); a scripted block is compiled already
-                block.__prepare_scriptable__ = functools.partial(  # type: ignore[assignment]
-                    _not_scriptable, type(block).__name__
-                )
-                # DataParallel's replicas copy the block's attributes: each
-                # must get a forward that runs the replica, not the block
-                block._replicate_for_data_parallel = functools.partial(  # type: ignore[method-assign]
-                    _replicate, block
-                )
+            _give_checkpointed_forward(block, block_options, in_sequential=False)
     return model
+
+
+def _give_checkpointed_forward(
+    block: nn.Module, options: Options, in_sequential: bool
+) -> None:
+    forward = CheckpointedForward._with_options(block, options)
+    forward.in_sequential = in_sequential
+    block.forward = forward
+    if not isinstance(block, torch.jit.ScriptModule):
+        # torch.jit.script asks this first (and would fail obscurely on the
+        # forward above); a scripted block is compiled already. A block of a
+        # swapped stack is scripted without it (CheckpointedSequential scripts
+        # to its plain forward); one of a looped-over list is refused.
+        prepare: Callable[[], Any] = (
+            functools.partial(_without_checkpointed_forward, block)
+            if in_sequential
+            else functools.partial(_not_scriptable, type(block).__name__)
+        )
+        block.__prepare_scriptable__ = prepare  # type: ignore[assignment]
+        # DataParallel's replicas copy the block's attributes: each must get a
+        # forward that runs the replica, not the block
+        block._replicate_for_data_parallel = functools.partial(  # type: ignore[method-assign]
+            _replicate, block
+        )
+
+
+def _run_by_its_stack(block: nn.Module) -> bool:
+    """Whether a block of a swapped stack runs inside its CheckpointedSequential
+    (which checkpoints it in its segments, or runs it plainly in its last one)
+    or inside any region: it is then not a region of its own. Under
+    torch.compile (where that cannot be read) always."""
+    return (
+        torch.compiler.is_compiling()
+        or called_by_its_stack(block)
+        or is_checkpointing()
+        or is_recomputing()
+    )
 
 
 def _replicate(block: nn.Module) -> nn.Module:
     """``block``'s replica for ``nn.DataParallel`` (as ``nn.Module`` makes
     it), with a :class:`CheckpointedForward` of its own."""
     replica: nn.Module = nn.Module._replicate_for_data_parallel(block)  # type: ignore[no-untyped-call]
-    replica.__dict__["forward"] = CheckpointedForward._with_options(
-        replica, block.__dict__["forward"].options
-    )
+    own = block.__dict__["forward"]
+    forward = CheckpointedForward._with_options(replica, own.options)
+    forward.in_sequential = own.in_sequential
+    replica.__dict__["forward"] = forward
     replica.__dict__["_replicate_for_data_parallel"] = functools.partial(
         _replicate, replica
     )
@@ -289,6 +328,15 @@ def _checked_options(options: dict[str, Any], who: str) -> Options:
             f"seqckpt.checkpoint's keywords: {', '.join(sorted(_OPTION_NAMES))}."
         )
     return make_options(**options)
+
+
+def _without_checkpointed_forward(block: nn.Module) -> nn.Module:
+    """``block`` with its class's forward again, for torch.jit.script (which
+    puts what this returns in the block's place, in the Python model too): the
+    stack keeps checkpointing its segments, a loop over it no longer does."""
+    for name in ("forward", "__prepare_scriptable__", "_replicate_for_data_parallel"):
+        block.__dict__.pop(name, None)
+    return block
 
 
 def _not_scriptable(name: str) -> None:

@@ -9,6 +9,7 @@ special-cased in the executor.
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -29,6 +30,22 @@ from seqckpt.policies import Policy, as_policy
 __all__ = ["CheckpointedSequential", "checkpoint_sequential"]
 
 Segments = int | Sequence[int] | Plan | str
+
+# The CheckpointedSequential modules whose training forward runs now (on this
+# thread): their blocks, which checkpoint_blocks also gives a forward that
+# checkpoints them one by one where a parent loops over the stack instead of
+# calling it, run plainly when the stack itself calls them.
+_RUNNING: contextvars.ContextVar[tuple[nn.Module, ...]] = contextvars.ContextVar(
+    "seqckpt_running_stacks", default=()
+)
+
+
+def called_by_its_stack(block: nn.Module) -> bool:
+    """Whether ``block`` runs now as part of a CheckpointedSequential's own
+    forward (not called by a parent looping over the stack's blocks)."""
+    return any(
+        any(m is block for m in stack._modules.values()) for stack in _RUNNING.get()
+    )
 
 
 def run_segments(
@@ -309,9 +326,17 @@ class CheckpointedSequential(nn.Sequential):
                     "recompute it whole.",
                     stacklevel=2,
                 )
-        return run_segments(
-            segments, chain, input, self.memory_budget, self.policy, self.options
-        )
+        if torch.compiler.is_compiling():  # (dynamo cannot trace the variable)
+            return run_segments(
+                segments, chain, input, self.memory_budget, self.policy, self.options
+            )
+        token = _RUNNING.set((*_RUNNING.get(), self))
+        try:
+            return run_segments(
+                segments, chain, input, self.memory_budget, self.policy, self.options
+            )
+        finally:
+            _RUNNING.reset(token)
 
     def extra_repr(self) -> str:
         parts = [] if self.segments is None else [f"segments={self.segments!r}"]

@@ -324,15 +324,76 @@ def test_layers_inside_blocks_leave_the_blocks_the_stack() -> None:
     for _ in range(2):  # a second call changes nothing
         seqckpt.checkpoint_blocks(model, segments=2)
         assert type(model[1]) is CheckpointedSequential
-        assert not any(
-            isinstance(m.__dict__.get("forward"), CheckpointedForward)
+        # the stack's blocks hold one (for a parent that loops over them),
+        # nothing inside them does
+        assert {
+            id(m)
             for m in model.modules()
-        )
+            if isinstance(m.__dict__.get("forward"), CheckpointedForward)
+        } == set(map(id, model[1]))
     assert_matches_plain(
         make,
         torch.randn(8, 6, requires_grad=True),
         lambda m, t: seqckpt.checkpoint_blocks(m, segments=2)(t),
     )
+
+
+class LoopedStage(nn.Module):
+    """A stage that loops over its nn.Sequential of blocks instead of calling
+    it (HF ResNet, BiT and CvT stages: ``for layer in self.layers``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[Block() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _gelus_in_backward(model: nn.Module, x: torch.Tensor) -> int:
+    y = model(x)
+    with OpCounter() as counter:
+        y.sum().backward()
+    return counter.counts["gelu"]
+
+
+def test_a_sequential_stack_a_parent_loops_over_is_checkpointed() -> None:
+    # The stack became a CheckpointedSequential whose forward the loop never
+    # calls: nothing was checkpointed (HF ResNet-50's peak unchanged). Its
+    # blocks now checkpoint themselves where the stack does not run them.
+    x = torch.randn(8, 6, requires_grad=True)
+    assert_matches_plain(LoopedStage(), x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
+    looped = seqckpt.checkpoint_blocks(LoopedStage())
+    assert isinstance(looped.layers, CheckpointedSequential)
+    assert _gelus_in_backward(looped, x) == 4  # every block recomputed
+    peaks = []
+    for model in (LoopedStage(), looped):
+        with seqckpt.track_memory() as mem:
+            model(torch.randn(64, 6, requires_grad=True)).sum().backward()
+        peaks.append(mem.peak_bytes)
+    assert peaks[1] < peaks[0], peaks
+    # called as a whole, the stack checkpoints its segments, and its blocks
+    # are not regions of their own inside them nor in its plain last segment
+    called = seqckpt.checkpoint_blocks(
+        nn.Sequential(nn.Linear(6, 6), LoopedStage().layers), segments=2
+    )
+    assert _gelus_in_backward(called, x) == 2  # the first segment's two blocks
+
+
+def test_a_swapped_stack_still_scripts_to_its_plain_forward() -> None:
+    # (its blocks' forward for a loop over the stack is dropped for it: the
+    # stack's own segments stay checkpointed)
+    model = seqckpt.checkpoint_blocks(Net())
+    block = model.stages[0][0]
+    assert isinstance(block.__dict__["forward"], CheckpointedForward)
+    scripted = torch.jit.script(model.eval())
+    x = torch.randn(5, 6)
+    assert torch.equal(scripted(x), Net().eval()(x))
+    assert model.stages[0][0] is block and "forward" not in block.__dict__
+    assert isinstance(model.stages[0], CheckpointedSequential)
 
 
 class Loop(nn.Module):
