@@ -326,17 +326,18 @@ class CheckpointedSequential(nn.Sequential):
                     "recompute it whole.",
                     stacklevel=2,
                 )
-        if torch.compiler.is_compiling():  # (dynamo cannot trace the variable)
-            return run_segments(
-                segments, chain, input, self.memory_budget, self.policy, self.options
-            )
-        token = _RUNNING.set((*_RUNNING.get(), self))
+        token = (
+            None  # (dynamo cannot trace the context variable)
+            if torch.compiler.is_compiling()
+            else _RUNNING.set((*_RUNNING.get(), self))
+        )
         try:
             return run_segments(
                 segments, chain, input, self.memory_budget, self.policy, self.options
             )
         finally:
-            _RUNNING.reset(token)
+            if token is not None:
+                _RUNNING.reset(token)
 
     def extra_repr(self) -> str:
         parts = [] if self.segments is None else [f"segments={self.segments!r}"]
