@@ -35,6 +35,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
+from seqckpt._buffers import COPY_LIMIT
 from seqckpt.planner import Plan, PlanError, Recompute, Run
 from seqckpt.policies import Policy
 from tests.oracle import assert_matches_plain
@@ -171,6 +172,29 @@ class NamedAndWritten(nn.Module):
         return seqckpt.name(g, "act").tanh() + h.transpose(0, 1).reshape(h.shape)
 
 
+class RunningTable(nn.Module):
+    """A buffer of COPY_LIMIT bytes or more (copied at its first write in a
+    region, not when the region starts) read in forward and, with ``writes``,
+    moved in place afterwards through a view or through ``.data``: the
+    recompute must read what the forward read."""
+
+    def __init__(self, width: int, writes: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        rows = COPY_LIMIT // (4 * width) + 1
+        self.register_buffer("table", torch.randn(rows, width))
+        self.writes = writes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (self.lin(x) + self.table[0]).tanh()
+        if self.writes == "view":
+            with torch.no_grad():
+                self.table[:1].mul_(0.9).add_(h.detach().mean(0))
+        elif self.writes == "data":
+            self.table.data[:1].mul_(0.9)
+        return h
+
+
 @st.composite
 def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
     width = draw(st.integers(2, 12))
@@ -192,6 +216,7 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
                     "stats_hook",
                     "named_and_written",
                     "drop_path",
+                    "running_table",
                 ]
             )  # fmt: skip
         )
@@ -219,6 +244,9 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
             items.append(NamedAndWritten(width))
         elif kind == "drop_path":
             items.append(DropPath())
+        elif kind == "running_table":
+            writes = draw(st.sampled_from(["none", "view", "data"]))
+            items.append(RunningTable(width, writes))
         else:
             items += [Split(), Join(width)]
     torch.manual_seed(draw(st.integers(0, 1000)))
