@@ -41,12 +41,14 @@ The first-run copies of the others are dropped when the first run ends; only
 the tensor objects are kept, to be put back where a slot holds another one by
 the time of the recompute (a ``functional_call`` stand-in).
 
-A buffer of :data:`COPY_LIMIT` bytes or more (a causal mask, a table of decay
-factors or positions) is not copied when the region starts, where the copy
-would add its size to the region's peak and most such buffers are never
-written: a dispatch mode (:class:`WriteWatch`) sees every op of the first run
-and copies the buffer just before the first op that writes into its memory
-(through any view or ``.data`` alias). A write it cannot see (a kernel outside
+A buffer of :data:`COPY_LIMIT` bytes or more that is also larger than the
+region's inputs (a causal mask, a table of decay factors or positions, beside
+small activations) is not copied when the region starts, where the copy would
+add its size to the region's peak and most such buffers are never written: a
+dispatch mode (:class:`WriteWatch`) sees every op of the first run and copies
+the buffer just before the first op that writes into its memory (through any
+view or ``.data`` alias). Beside larger inputs the copy is a small part of
+the region's memory and cheaper than the mode's Python cost per op. A write it cannot see (a kernel outside
 PyTorch's dispatcher that moves the version counter) is an error: its first
 values are gone. ``conservative=True`` copies every buffer up front.
 
@@ -309,16 +311,6 @@ def survey(
 COPY_LIMIT = 64 * 1024
 
 
-def _copied_when_written(b: torch.Tensor, conservative: bool) -> bool:
-    return (
-        not conservative
-        and type(b) is _Tensor
-        and b.layout is torch.strided
-        and not b.is_meta
-        and b.numel() * b.element_size() >= COPY_LIMIT
-    )
-
-
 class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Active during a region's first run when its guard defers buffers: hands
     every op's written tensors to :meth:`BufferGuard.before_write` before the
@@ -398,6 +390,7 @@ class BufferGuard:
 
     __slots__ = (
         "conservative",
+        "inputs",
         "visited",
         "entries",
         "stand_ins",
@@ -407,18 +400,27 @@ class BufferGuard:
     )
 
     @staticmethod
-    def of(modules: Iterable[nn.Module], conservative: bool) -> BufferGuard | None:
+    def of(
+        modules: Iterable[nn.Module],
+        conservative: bool,
+        inputs: list[torch.Tensor] | None = None,
+    ) -> BufferGuard | None:
         """A guard over the buffers of ``modules`` and their submodules; None
-        when there are none (and none can be found later: not conservative)."""
-        guard = BufferGuard(conservative)
+        when there are none (and none can be found later: not conservative).
+        ``inputs``: the region's input tensors (see the module docstring)."""
+        guard = BufferGuard(conservative, inputs)
         for module in modules:
             guard.watch(module)
         if guard.entries or guard.stand_ins or guard.deferred or conservative:
             return guard
         return None
 
-    def __init__(self, conservative: bool) -> None:
+    def __init__(
+        self, conservative: bool, inputs: list[torch.Tensor] | None = None
+    ) -> None:
         self.conservative = conservative
+        # the inputs' bytes once a buffer of COPY_LIMIT bytes asks for them
+        self.inputs: list[torch.Tensor] | int = inputs or 0
         self.visited: set[int] | None = set()
         # (module, name, tensor, version at first sight, first value, may be
         # written by a kernel without a version bump)
@@ -463,7 +465,7 @@ class BufferGuard:
                             or (m.training and (script or name in _HIDDEN_WRITES))
                         )
                     )
-                    if hidden or not _copied_when_written(b, self.conservative):
+                    if hidden or not self._copied_when_written(b):
                         self.entries.append(
                             (m, name, b, b._version, _snapshot(b), hidden)
                         )
@@ -472,6 +474,21 @@ class BufferGuard:
                         self.unwritten.setdefault(key, []).append(len(self.deferred))
                         self.deferred.append([m, name, b, b._version, None])
             todo.extend(sub for sub in m._modules.values() if sub is not None)
+
+    def _copied_when_written(self, b: torch.Tensor) -> bool:
+        if (
+            self.conservative
+            or type(b) is not _Tensor
+            or b.layout is not torch.strided
+            or b.is_meta
+        ):
+            return False
+        size = b.numel() * b.element_size()
+        if size < COPY_LIMIT:
+            return False
+        if not isinstance(self.inputs, int):
+            self.inputs = sum(t.numel() * t.element_size() for t in self.inputs)
+        return size > self.inputs
 
     def before_write(self, written: list[torch.Tensor]) -> None:
         """Copy the deferred buffers whose memory an op is about to write."""

@@ -849,7 +849,9 @@ class _Region:
             modules = modules_of(function, None, args, kwargs)
         conservative = options.determinism_check == "values"
         self.guard = (
-            BufferGuard.of(modules, conservative) if modules or conservative else None
+            BufferGuard.of(modules, conservative, inputs)
+            if modules or conservative
+            else None
         )
         if (
             self.guard is not None

@@ -933,6 +933,33 @@ def test_large_unwritten_buffer_is_not_copied() -> None:
     assert peaks["seqckpt"] <= peaks["torch"], peaks
 
 
+class SeesModes(nn.Module):
+    """Records how many dispatch modes are active in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(LARGE, 4))
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch._C._len_torch_dispatch_stack())
+        return x.sin() + self.table[0, 0]
+
+
+def test_a_large_buffer_beside_larger_inputs_is_copied_up_front() -> None:
+    # There the copy is a small part of the region's memory, and cheaper than
+    # the dispatch mode that copies at the first write (Python per op).
+    module = SeesModes()
+    for rows in (8, 2 * LARGE):
+        checkpoint(module, torch.randn(rows, 4, requires_grad=True)).sum().backward()
+    assert module.seen == [1, 0]  # small input: watched; large: copied
+    assert_matches_plain(
+        SeesModes(),
+        torch.randn(2 * LARGE, 4, requires_grad=True),
+        lambda m, x: checkpoint(m, x),
+    )
+
+
 class WritesLargeBuffer(nn.Module):
     """Adds to a large buffer in forward, then uses it (a running table)."""
 
