@@ -431,7 +431,7 @@ class BufferGuard:
         # buffers the first run left as they were
         self.stand_ins: list[tuple[nn.Module, str, torch.Tensor]] = []
         self.held: list[tuple[nn.Module, str, torch.Tensor]] = []
-        # Buffers of COPY_LIMIT bytes or more, copied at their first write:
+        # Buffers copied at their first write (_copied_when_written):
         # (module, name, tensor, version at first sight, first value or None),
         # and by storage those not written yet (indices into deferred)
         self.deferred: list[list[Any]] = []
@@ -476,6 +476,8 @@ class BufferGuard:
             todo.extend(sub for sub in m._modules.values() if sub is not None)
 
     def _copied_when_written(self, b: torch.Tensor) -> bool:
+        """Whether ``b`` is copied at its first write rather than now: a
+        dense tensor of COPY_LIMIT bytes or more, larger than the inputs."""
         if (
             self.conservative
             or type(b) is not _Tensor
