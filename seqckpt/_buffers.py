@@ -411,6 +411,7 @@ class BufferGuard:
         guard = BufferGuard(conservative, inputs)
         for module in modules:
             guard.watch(module)
+        guard.inputs = 0  # (no reference kept: a nested region's inputs are dropped)
         if guard.entries or guard.stand_ins or guard.deferred or conservative:
             return guard
         return None

@@ -253,6 +253,22 @@ def test_nested_checkpoints_match_and_recompute_inner() -> None:
     assert inner.calls == 3
 
 
+def test_a_nested_region_with_buffers_drops_its_inputs() -> None:
+    # A nested region saves its inputs through the enclosing region's hooks,
+    # which drop them; its buffer guard held on to them (a larger peak).
+    head, inner = nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+    seen: list[weakref.ref[torch.Tensor]] = []
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        h = head(x)
+        seen.append(weakref.ref(h))
+        return checkpoint(inner, h).tanh()
+
+    y = checkpoint(outer, torch.randn(4, 8, requires_grad=True))
+    assert seen[0]() is None
+    y.sum().backward()
+
+
 def test_trailing_inner_region_is_not_run_by_the_outer_recompute() -> None:
     head = nn.Linear(8, 8)
     inner = Counting(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
