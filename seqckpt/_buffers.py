@@ -48,9 +48,10 @@ add its size to the region's peak and most such buffers are never written: a
 dispatch mode (:class:`WriteWatch`) sees every op of the first run and copies
 the buffer just before the first op that writes into its memory (through any
 view or ``.data`` alias). Beside larger inputs the copy is a small part of
-the region's memory and cheaper than the mode's Python cost per op. A write it cannot see (a kernel outside
-PyTorch's dispatcher that moves the version counter) is an error: its first
-values are gone. ``conservative=True`` copies every buffer up front.
+the region's memory and cheaper than the mode's Python cost per op. A write
+the mode cannot see (a kernel outside PyTorch's dispatcher that moves the
+version counter) is an error: its first values are gone.
+``conservative=True`` copies every buffer up front.
 
 Internal: nothing here is public API.
 """
@@ -61,7 +62,7 @@ import functools
 import itertools
 import threading
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -311,6 +312,11 @@ def survey(
 COPY_LIMIT = 64 * 1024
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """A plain strided tensor with memory (one a buffer copy is made of)."""
+    return type(t) is _Tensor and t.layout is torch.strided and not t.is_meta
+
+
 class WriteWatch(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
     """Active during a region's first run when its guard defers buffers: hands
     every op's written tensors to :meth:`BufferGuard.before_write` before the
@@ -390,7 +396,6 @@ class BufferGuard:
 
     __slots__ = (
         "conservative",
-        "inputs",
         "visited",
         "entries",
         "stand_ins",
@@ -408,20 +413,15 @@ class BufferGuard:
         """A guard over the buffers of ``modules`` and their submodules; None
         when there are none (and none can be found later: not conservative).
         ``inputs``: the region's input tensors (see the module docstring)."""
-        guard = BufferGuard(conservative, inputs)
+        guard = BufferGuard(conservative)
         for module in modules:
-            guard.watch(module)
-        guard.inputs = 0  # (no reference kept: a nested region's inputs are dropped)
+            guard.watch(module, inputs or ())
         if guard.entries or guard.stand_ins or guard.deferred or conservative:
             return guard
         return None
 
-    def __init__(
-        self, conservative: bool, inputs: list[torch.Tensor] | None = None
-    ) -> None:
+    def __init__(self, conservative: bool) -> None:
         self.conservative = conservative
-        # the inputs' bytes once a buffer of COPY_LIMIT bytes asks for them
-        self.inputs: list[torch.Tensor] | int = inputs or 0
         self.visited: set[int] | None = set()
         # (module, name, tensor, version at first sight, first value, may be
         # written by a kernel without a version bump)
@@ -438,7 +438,9 @@ class BufferGuard:
         self.deferred: list[list[Any]] = []
         self.unwritten: dict[int, list[int]] = {}
 
-    def watch(self, module: nn.Module) -> None:
+    def watch(self, module: nn.Module, inputs: Sequence[torch.Tensor] = ()) -> None:
+        """Record the buffers of ``module`` and its submodules (``inputs``:
+        the region's, see :meth:`_copied_when_written`)."""
         visited = self.visited
         if visited is None or id(module) in visited:
             return
@@ -466,7 +468,7 @@ class BufferGuard:
                             or (m.training and (script or name in _HIDDEN_WRITES))
                         )
                     )
-                    if hidden or not self._copied_when_written(b):
+                    if hidden or not self._copied_when_written(b, inputs):
                         self.entries.append(
                             (m, name, b, b._version, _snapshot(b), hidden)
                         )
@@ -476,27 +478,22 @@ class BufferGuard:
                         self.deferred.append([m, name, b, b._version, None])
             todo.extend(sub for sub in m._modules.values() if sub is not None)
 
-    def _copied_when_written(self, b: torch.Tensor) -> bool:
+    def _copied_when_written(
+        self, b: torch.Tensor, inputs: Sequence[torch.Tensor]
+    ) -> bool:
         """Whether ``b`` is copied at its first write rather than now: a
-        dense tensor of COPY_LIMIT bytes or more, larger than the inputs."""
-        if (
-            self.conservative
-            or type(b) is not _Tensor
-            or b.layout is not torch.strided
-            or b.is_meta
-        ):
+        dense tensor of COPY_LIMIT bytes or more, larger than ``inputs``."""
+        if self.conservative or not _dense(b):
             return False
         size = b.numel() * b.element_size()
-        if size < COPY_LIMIT:
-            return False
-        if not isinstance(self.inputs, int):
-            self.inputs = sum(t.numel() * t.element_size() for t in self.inputs)
-        return size > self.inputs
+        return size >= COPY_LIMIT and size > sum(
+            t.numel() * t.element_size() for t in inputs
+        )
 
     def before_write(self, written: list[torch.Tensor]) -> None:
         """Copy the deferred buffers whose memory an op is about to write."""
         for t in written:
-            if type(t) is not _Tensor or t.is_meta or t.layout is not torch.strided:
+            if not _dense(t):
                 continue
             for i in self.unwritten.pop(t.untyped_storage()._cdata, ()):
                 entry = self.deferred[i]

@@ -59,10 +59,14 @@ class CheckpointedForward:
         self._bind(module, _checked_options(options, "CheckpointedForward"))
 
     @classmethod
-    def _with_options(cls, module: nn.Module, options: Options) -> CheckpointedForward:
-        """One for ``module`` with options checked already."""
+    def _with_options(
+        cls, module: nn.Module, options: Options, in_sequential: bool = False
+    ) -> CheckpointedForward:
+        """One for ``module`` with options checked already (``in_sequential``:
+        a block of a swapped stack, see ``__call__``)."""
         made = cls.__new__(cls)
         made._bind(module, options)
+        made.in_sequential = in_sequential
         return made
 
     def _bind(self, module: nn.Module, options: Options) -> None:
@@ -258,9 +262,7 @@ def checkpoint_blocks(
 def _give_checkpointed_forward(
     block: nn.Module, options: Options, in_sequential: bool
 ) -> None:
-    forward = CheckpointedForward._with_options(block, options)
-    forward.in_sequential = in_sequential
-    block.forward = forward
+    block.forward = CheckpointedForward._with_options(block, options, in_sequential)
     if not isinstance(block, torch.jit.ScriptModule):
         # torch.jit.script asks this first (and would fail obscurely on the
         # forward above); a scripted block is compiled already. A block of a
@@ -297,9 +299,9 @@ def _replicate(block: nn.Module) -> nn.Module:
     it), with a :class:`CheckpointedForward` of its own."""
     replica: nn.Module = nn.Module._replicate_for_data_parallel(block)  # type: ignore[no-untyped-call]
     own = block.__dict__["forward"]
-    forward = CheckpointedForward._with_options(replica, own.options)
-    forward.in_sequential = own.in_sequential
-    replica.__dict__["forward"] = forward
+    replica.__dict__["forward"] = CheckpointedForward._with_options(
+        replica, own.options, own.in_sequential
+    )
     replica.__dict__["_replicate_for_data_parallel"] = functools.partial(
         _replicate, replica
     )

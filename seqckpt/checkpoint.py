@@ -426,16 +426,16 @@ def run_region(
             "transform."
         )
     else:
-        runs = (
-            modules_of(function, found, args, kwargs)
-            if modules is None
-            else list(modules)
-        )
+        if modules is None:
+            # (the walk also finds the generators among the arguments)
+            runs = modules_of(function, found, args, kwargs)
+        else:
+            runs = list(modules)
+            if _GENERATOR in set(map(type, args)):  # given: f(x, generator=g)
+                _state.generators_held(args, found)
+            if kwargs:
+                _state.generators_held(kwargs.values(), found)
         lazy, stateful, walked, unfilled = survey(runs, found)
-        if _GENERATOR in set(map(type, args)):  # given: f(x, generator=g)
-            _state.generators_held(args, found)
-        if kwargs:
-            _state.generators_held(kwargs.values(), found)
         if not stateful:
             runs = []  # nothing for a buffer guard to hold
         if lazy is not None:
