@@ -92,14 +92,6 @@ class CheckpointedForward:
             self.in_sequential and _run_by_its_stack(module)
         ):
             return forward(*args, **kwargs)
-        if kwargs and any(_is_cache(kwargs.get(k)) for k in _CACHES):
-            warnings.warn(
-                f"seqckpt: checkpointed {type(module).__name__} was given a "
-                "key/value cache in training; its recompute appends to the cache "
-                "a second time (gradients are not affected, the cache is). Pass "
-                "use_cache=False, as HF's own checkpointing does.",
-                stacklevel=3,
-            )
         return run_region(
             forward, args, kwargs, self.options, [module], type(module).__name__
         )
@@ -134,9 +126,10 @@ def checkpoint_blocks(
 
     This is seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``
     and HF's ``gradient_checkpointing_enable()``; leave those off (it warns
-    where one is on: the blocks would be checkpointed twice, nested). On HF
-    decoders pass ``use_cache=False`` in training, as HF's own checkpointing
-    does (the recompute would append to the cache a second time).
+    where one is on: the blocks would be checkpointed twice, nested). A
+    key/value cache given to a block is filled once, as without checkpointing
+    (its recompute runs on a copy of the cache as it was); ``use_cache=False``
+    in training, as HF's own checkpointing sets, still saves the cache's memory.
 
     Args:
         model: any module.
@@ -309,17 +302,6 @@ def _replicate(block: nn.Module) -> nn.Module:
 
 
 _OPTION_NAMES = frozenset(inspect.signature(make_options).parameters)
-
-# the keyword arguments HF transformers' layers take their key/value cache by
-_CACHES = ("cache", "past_key_values", "past_key_value")
-
-
-def _is_cache(value: object) -> bool:
-    """A cache object its layers append to (HF's ``DynamicCache`` and the
-    other ``Cache`` classes; a legacy tuple of tensors is never changed)."""
-    return value is not None and any(
-        c.__name__.endswith("Cache") for c in type(value).__mro__
-    )
 
 
 def _checked_options(options: dict[str, Any], who: str) -> Options:

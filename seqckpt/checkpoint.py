@@ -56,6 +56,7 @@ from seqckpt._buffers import (
     survey,
     watching_modules,
 )
+from seqckpt._caches import CacheCopies
 from seqckpt._state import _GENERATOR
 from seqckpt._tree import plain_tensors, replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy, uncounted_op
@@ -239,6 +240,9 @@ def checkpoint(
     Module buffers are protected from double updates for every module the
     function calls, however it reaches it (argument, closure, container of
     modules, attribute, global): a forward pre-hook watches the first run.
+    A key/value cache among the arguments (HF's ``DynamicCache``, given to a
+    decoder layer) is filled once, by the forward: each recompute runs on a
+    copy of the cache as it was when the call started (see ``seqckpt._caches``).
 
     Example:
         >>> import torch, seqckpt
@@ -779,6 +783,7 @@ class _Region:
         "name",
         "modes",
         "unfilled",
+        "caches",
         "__weakref__",
     )
 
@@ -865,6 +870,9 @@ class _Region:
         # the recompute runs to its end, and with "values" such tensors go
         # unfingerprinted (their fingerprints would read unfilled memory).
         self.unfilled = unfilled
+        # a key/value cache among the arguments, as it is before the forward
+        # fills it: each recompute runs on a copy (see _caches)
+        self.caches = CacheCopies.of(function, args, kwargs)
 
     # ------------------------------------------------------------------ forward
 
@@ -1007,6 +1015,22 @@ class _Region:
             self.kwargs, tensors[len(tensors_in(self.args)) :]
         )
 
+    def _cache_copies(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+        assert self.caches is not None
+        changed = self.caches.changed()
+        if changed is not None:
+            raise CheckpointError(
+                f"seqckpt: checkpointed {self._label()} was given a key/value cache "
+                f"whose {changed} was written in place after the region started "
+                "(a StaticCache, a recurrent state), so its recompute would not see "
+                "the cache its forward saw. Pass use_cache=False in training (HF's "
+                "own checkpointing turns the cache off), or leave this layer "
+                "unchecked."
+            )
+        return self.caches.arguments(self.function, args, kwargs)
+
     def _label(self) -> str:
         return self.name or _name(self.function)
 
@@ -1027,6 +1051,9 @@ class _Region:
         options = self.options
         grad_was_enabled = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
+        function = self.function
+        if self.caches is not None:
+            function, args, kwargs = self._cache_copies(args, kwargs)
         if self.streams:
             _state.wait_for_streams(self.streams, self.inputs or ())
         collected: list[torch.Tensor | None] = []
@@ -1108,10 +1135,10 @@ class _Region:
             running = _POLICY_CHILDREN.set((remade, False))
             try:
                 if extra is None:
-                    self.function(*args, **kwargs)
+                    function(*args, **kwargs)
                 else:
                     with extra:
-                        self.function(*args, **kwargs)
+                        function(*args, **kwargs)
             except Exception:
                 # Our stop arrives as _StopRecompute, or as a RuntimeError when
                 # it crossed TorchScript; anything raised before it is the user's.

@@ -453,37 +453,6 @@ def test_the_example_replacing_a_models_stacks() -> None:
     assert result["gpt_peak"] < 0.5 * result["plain_peak"]  # four blocks, one live
 
 
-class ToyCache:
-    """What HF's DynamicCache does to a layer's keys: appends them."""
-
-    def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-
-
-class CachingLayer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(6, 6)
-
-    def forward(self, x: torch.Tensor, cache: ToyCache | None = None) -> torch.Tensor:
-        if cache is not None:
-            cache.keys.append(x.detach())
-        return torch.tanh(self.lin(x))
-
-
-def test_a_cache_given_to_a_checkpointed_block_is_warned_about() -> None:
-    layers = seqckpt.checkpoint_blocks(nn.ModuleList([CachingLayer(), CachingLayer()]))
-    x = torch.randn(2, 6, requires_grad=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        layers[0](x, cache=None).sum().backward()  # no cache: quiet
-    cache = ToyCache()
-    with pytest.warns(UserWarning, match="appends to the cache a second time"):
-        y = layers[0](x, cache=cache)
-    y.sum().backward()
-    assert len(cache.keys) == 2  # what the warning is about
-
-
 def test_data_parallel_replicas_run_themselves() -> None:
     # nn.DataParallel copies each module's attributes into a replica per
     # device: a replica's forward must run the replica (its device's
