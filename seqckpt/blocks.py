@@ -111,7 +111,9 @@ def checkpoint_blocks(
     Mamba and attention layers); a list of routed experts (an ``nn.ModuleList``
     named ``experts`` or the like) is not one. Only the innermost stacks are taken (a stack
     holding stacks, such as ConvNeXt's ``stages``, stays as it is), so
-    checkpoints do not nest. Parameters, optimisers and ``state_dict`` keys
+    checkpoints do not nest; where stacks nest three deep (HF's ResNet:
+    stages, each a stack of blocks, each block running its layers as a stack)
+    the middle one is taken, the innermost being a block's own layers. Parameters, optimisers and ``state_dict`` keys
     are unchanged: the same block objects stay where they were.
 
     - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
@@ -181,7 +183,8 @@ def checkpoint_blocks(
         {k: v for k, v in options.items() if k != "memory_budget"},
         "checkpoint_blocks",
     )
-    innermost = _is_innermost_stack(model)
+    bodies = _block_bodies(model)
+    innermost = _is_innermost_stack(model, bodies=bodies)
     if innermost and isinstance(model, nn.Sequential):
         return swapped(model)
     sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
@@ -197,7 +200,7 @@ def checkpoint_blocks(
     }
     for parent in model.modules():
         for name, child in parent.named_children():
-            if id(child) in covered or not _is_innermost_stack(child, name):
+            if id(child) in covered or not _is_innermost_stack(child, name, bodies):
                 continue
             covered.update(id(inner) for inner in child.modules() if inner is not child)
             if isinstance(child, nn.Sequential):
@@ -370,15 +373,48 @@ def _checkpointed(module: nn.Module) -> bool:
     )
 
 
-def _is_innermost_stack(module: nn.Module, name: str = "") -> bool:
+def _holds_blocks(module: nn.Module, name: str = "") -> bool:
+    """A stack whose modules hold submodules: blocks, not single layers."""
+    blocks = module._modules.values()
+    return _is_stack(module, name) and any(b._modules for b in blocks)  # type: ignore[union-attr]
+
+
+def _block_bodies(model: nn.Module) -> set[int]:
+    """The ids of the stacks in ``model`` that are a block's own layers: a
+    stack holding no stack of blocks, inside a block of a stack that is itself
+    inside a block of a stack (HF's ResNet: stages, each a stack of bottleneck
+    blocks, each running its convolution layers as a stack; FocalNet's focal
+    layers, HGNetV2's layers). The middle stack is the stack of blocks there:
+    a region per few convolutions of a block leaves the rest of the block's
+    activations (its residual path) kept."""
+    bodies: set[int] = set()
+
+    def walk(module: nn.Module, name: str, enclosing: int) -> bool:
+        stack = _holds_blocks(module, name)
+        inner = False  # whether a stack of blocks lies inside module
+        for child_name, child in module.named_children():
+            inner = walk(child, child_name, enclosing + stack) or inner
+        if stack and not inner and enclosing >= 2:
+            bodies.add(id(module))
+        return stack or inner
+
+    walk(model, "", 0)
+    return bodies
+
+
+def _is_innermost_stack(
+    module: nn.Module,
+    name: str = "",
+    bodies: set[int] = frozenset(),  # type: ignore[assignment]
+) -> bool:
     """A stack holding no other stack of blocks and nothing checkpointed
     already (checkpoints do not nest, also over two calls). A stack of layers
     without submodules inside a block (Res2Net's ``convs``, CoaT's
-    ``conv_list``: a few convolutions of a block, not a stack of blocks) does
-    not stop the blocks from being the stack."""
+    ``conv_list``: a few convolutions of a block, not a stack of blocks) and a
+    stack among ``bodies`` (see :func:`_block_bodies`) do not stop the blocks
+    from being the stack."""
     return _is_stack(module, name) and not any(
-        (_is_stack(m, n) and any(b._modules for b in m._modules.values()))  # type: ignore[union-attr]
-        or _checkpointed(m)
+        (_holds_blocks(m, n) and id(m) not in bodies) or _checkpointed(m)
         for n, m in module.named_modules()
         if m is not module
     )

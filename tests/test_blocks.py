@@ -338,6 +338,74 @@ def test_layers_inside_blocks_leave_the_blocks_the_stack() -> None:
     )
 
 
+class ConvLayer(nn.Module):
+    """A layer of a block that HF wraps in a module: linear, norm, activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.lin(x)).relu()
+
+
+class Bottleneck(nn.Module):
+    """HF ResNet's block: its layers run as an nn.Sequential stack of their own,
+    then the residual add and activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(*[ConvLayer() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.layer(x)).relu()
+
+
+class Stage(nn.Module):
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[Bottleneck() for _ in range(depth)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+def test_stacks_three_deep_take_the_middle_one() -> None:
+    # stages -> each stage's blocks -> each block's layers: the layers were the
+    # innermost stack, so each block's residual add and activation stayed
+    # outside every region (HF ResNet-50: 22.40 -> 21.21 MiB; now 14.11)
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.ModuleList([Stage(3), Stage(2)])
+
+    model = seqckpt.checkpoint_blocks(make())
+    assert all(type(stage.layers) is CheckpointedSequential for stage in model)
+    assert not any(
+        type(m) is CheckpointedSequential or m.__dict__.get("forward") is not None
+        for stage in model
+        for block in stage.layers
+        for m in block.modules()
+        if m is not block
+    )
+    # two deep, the inner one, as before: ConvNeXt's stages of blocks look
+    # the same as one such stage alone
+    stage = seqckpt.checkpoint_blocks(Stage(3))
+    assert type(stage.layers) is nn.Sequential
+    assert all(type(block.layer) is CheckpointedSequential for block in stage.layers)
+
+    def run(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        for stage in m:
+            x = stage(x)
+        return x
+
+    assert_matches_plain(
+        make,
+        torch.randn(8, 6, requires_grad=True),
+        lambda m, x: run(seqckpt.checkpoint_blocks(m), x),
+        run,
+    )
+
+
 class LoopedStage(nn.Module):
     """A stage that loops over its nn.Sequential of blocks instead of calling
     it (HF ResNet, BiT and CvT stages: ``for layer in self.layers``)."""
