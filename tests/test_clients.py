@@ -155,3 +155,54 @@ def test_hf_trainer_keeps_seqckpt_as_the_checkpoint_function(tmp_path: Path) -> 
     assert losses == plain_losses and len(losses) == 2
     assert all(torch.equal(a, b) for a, b in zip(weights, plain_weights, strict=True))
     assert train(True, True)[2] == "torch.utils.checkpoint"
+
+
+@pytest.mark.slow
+def test_hf_decoder_cache_and_peft_prefix_tuning_through_checkpoint_blocks(
+    example: dict[str, Any],
+) -> None:
+    # With its cache on (HF's default in training) a decoder fills the cache
+    # in each layer; PEFT's prefix tuning hands every layer a cache prefilled
+    # with its learned prefix. Both train bitwise through checkpoint_blocks,
+    # and the cache a step returns is the plain step's (before 2026-12-06 the
+    # recompute appended to it again: a shape error in backward).
+    import copy
+
+    import torch
+
+    import seqckpt
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        attention_dropout=0.1, use_cache=True,
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (2, 8))
+    caches: list[list[torch.Tensor]] = []
+
+    def loss(out: Any) -> torch.Tensor:
+        cache = out.past_key_values  # transformers 5: a DynamicLayer per layer
+        parts = [(p.keys, p.values) for p in cache.layers]
+        caches.append([t.detach().clone() for pair in parts for t in pair])
+        return out.logits.float().sum()
+
+    def llama() -> Any:
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)
+
+    example["compare"](llama, {"input_ids": ids}, seqckpt.checkpoint_blocks, loss)
+    # (loss runs twice per model: before backward and after, when a recompute
+    # has run)
+    plain, checkpointed = caches[1], caches[3]
+    assert len(plain) == 4 and len(checkpointed) == 4  # keys, values per layer
+    assert all(torch.equal(a, b) for a, b in zip(plain, checkpointed, strict=True))
+
+    peft = pytest.importorskip("peft")
+    prefix = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    example["compare"](
+        lambda: peft.get_peft_model(llama(), copy.deepcopy(prefix)),
+        {"input_ids": ids, "labels": ids},
+        seqckpt.checkpoint_blocks,
+        lambda out: out.loss.float(),
+    )
