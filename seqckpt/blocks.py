@@ -24,6 +24,7 @@ from torch import nn
 
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import Options, make_options, run_region
+from seqckpt.executor import each_item_plan
 from seqckpt.sequential import CheckpointedSequential, called_by_its_stack
 
 __all__ = ["CheckpointedForward", "checkpoint_blocks"]
@@ -118,7 +119,7 @@ def checkpoint_blocks(
 
     - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
       ``blocks``) become :class:`CheckpointedSequential` s over their blocks,
-      in ``segments`` segments.
+      every block its own segment unless ``segments`` says otherwise.
     - ``nn.ModuleList`` stacks (nanoGPT's ``transformer.h``, torchvision's
       MaxViT ``layers``) are looped over by the parent's forward: each block
       gets a :class:`CheckpointedForward`, so every call of it is a region of
@@ -136,8 +137,12 @@ def checkpoint_blocks(
     Args:
         model: any module.
         segments: segments per ``nn.Sequential`` stack, at most the stack's
-            length (``len`` of a stack checkpoints every block but the last,
-            as timm does); None: :class:`CheckpointedSequential`'s default.
+            length, all but the last checkpointed (as
+            :func:`checkpoint_sequential`); None (the default): every block
+            checkpointed on its own, the last too, as timm's
+            ``set_grad_checkpointing()`` and HF's own checkpointing do and as
+            the blocks of ``nn.ModuleList`` stacks are (a plain last block
+            would keep its activations until backward, one per stack).
         **options: checkpoint options for every stack (``policy``,
             ``determinism_check``, ``preserve_rng_state``, ``context_fn``, ...).
 
@@ -175,8 +180,15 @@ def checkpoint_blocks(
         )
 
     def swapped(stack: nn.Sequential) -> CheckpointedSequential:
-        k = None if segments is None else min(segments, len(stack))
-        return CheckpointedSequential.from_sequential(stack, k, **options)
+        if segments is not None:
+            k = min(segments, len(stack))
+            return CheckpointedSequential.from_sequential(stack, k, **options)
+        # every block a region of its own, as timm's and HF's own give: with
+        # the last plain (checkpoint_sequential's way) each stack of a model
+        # would keep one block's activations until backward
+        plan = each_item_plan(list(stack), options.get("policy"))
+        rest = {k: v for k, v in options.items() if k != "policy"}
+        return CheckpointedSequential.from_sequential(stack, plan, **rest)
 
     # (an error in the options shows here, before anything is changed)
     block_options = _checked_options(

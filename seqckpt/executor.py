@@ -78,6 +78,25 @@ def resolve_plan(
     )
 
 
+def each_item_plan(
+    chain: Sequence[Callable[[Any], Any]], policy: Policy | None = None
+) -> Plan:
+    """Every item of ``chain`` checkpointed on its own, the last too (timm's
+    ``checkpoint_seq`` and HF's per-layer checkpointing), each keeping what
+    ``policy`` selects; an item that writes into its input joins the one
+    before it, as in :func:`resolve_plan`.
+
+    Example:
+        >>> import torch
+        >>> print(each_item_plan([torch.nn.Tanh(), torch.nn.ReLU(inplace=True)]))
+        Plan for layers 0-1
+          recompute 0-1
+            keep 0-1
+    """
+    n = len(chain)
+    return uniform_plan(n, n, lambda i: _writes_its_input(chain[i]), policy, False)
+
+
 def _writes_its_input(item: object) -> bool:
     return getattr(item, "inplace", False) is True
 

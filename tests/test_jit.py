@@ -344,13 +344,19 @@ def test_compiled_module_list_blocks_recompute() -> None:
     """A model looping over an nn.ModuleList checkpointed by checkpoint_blocks
     compiles with fullgraph=True, and its compiled backward runs each block's
     inner tanh again (each block's CheckpointedForward becomes torch's
-    checkpoint; a block's last tanh is the next block's input, kept anyway)."""
+    checkpoint)."""
     import seqckpt
 
     class Loop(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.ModuleList(tanh_chain(2) for _ in range(3))
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(
+                nn.Sequential(
+                    nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh()
+                )
+                for _ in range(3)
+            )  # (blocks, not stacks: a Sequential of two classes)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers:
@@ -372,7 +378,9 @@ def test_compiled_module_list_blocks_recompute() -> None:
         out.sum().backward()
         assert torch.allclose(out, Loop()(x))
         tanhs[checkpointed] = count(graphs["backward"][0], torch.ops.aten.tanh.default)
-    assert tanhs == {False: 0, True: 3}
+    # each block's inner tanh at least (the partitioner may also recompute the
+    # last block's final tanh rather than keep the model's output for it)
+    assert tanhs[False] == 0 and tanhs[True] >= 3
 
 
 @pytest.mark.parametrize("how", ["torch.compile", ".compile()"])

@@ -271,12 +271,15 @@ def plan_from_sizes(
     return _plan_from_starts(starts, sum(sizes), policy)
 
 
-def _plan_from_starts(starts: list[int], n: int, policy: Policy | None) -> Plan:
+def _plan_from_starts(
+    starts: list[int], n: int, policy: Policy | None, last_plain: bool = True
+) -> Plan:
     """Segments beginning at ``starts`` (increasing), all but the last
-    checkpointed; layers before the first start run plainly."""
+    checkpointed (``last_plain=False``: all); layers before the first start
+    run plainly."""
     items: list[Item] = [Run(0, starts[0])] if starts[0] > 0 else []
     for start, stop in zip(starts, [*starts[1:], n], strict=True):
-        if stop == n:
+        if stop == n and last_plain:
             items.append(Run(start, stop))
         else:
             items.append(Recompute(start, stop, Plan((Run(start, stop),)), policy))
@@ -307,9 +310,11 @@ def uniform_plan(
     k: int,
     blocked: Callable[[int], bool] | None = None,
     policy: Policy | None = None,
+    last_plain: bool = True,
 ) -> Plan:
-    """``n`` layers in ``k`` balanced segments, all but the last checkpointed,
-    each keeping what ``policy`` selects.
+    """``n`` layers in ``k`` balanced segments, all but the last checkpointed
+    (``last_plain=False``: all, as timm's ``checkpoint_seq`` and HF's
+    per-layer checkpointing do), each keeping what ``policy`` selects.
 
     ``blocked(i)`` true means no checkpointed segment may start at layer ``i``
     (it writes into its input): such a start moves to the next layer, which
@@ -331,8 +336,10 @@ def uniform_plan(
                 start += 1
             if start < n and (not moved or start > moved[-1]):
                 moved.append(start)
-        starts = moved or [0]
-    return _plan_from_starts(starts, n, policy)
+        if not moved:  # every layer writes into its input: all plain
+            return Plan((Run(0, n),))
+        starts = moved
+    return _plan_from_starts(starts, n, policy, last_plain)
 
 
 def default_segments(n: int) -> int:
