@@ -25,6 +25,7 @@ from torch import nn
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.checkpoint import Options, make_options, run_region
 from seqckpt.executor import each_item_plan
+from seqckpt.policies import as_policy
 from seqckpt.sequential import CheckpointedSequential, called_by_its_stack
 
 __all__ = ["CheckpointedForward", "checkpoint_blocks"]
@@ -186,7 +187,7 @@ def checkpoint_blocks(
         # every block a region of its own, as timm's and HF's own give: with
         # the last plain (checkpoint_sequential's way) each stack of a model
         # would keep one block's activations until backward
-        plan = each_item_plan(list(stack), options.get("policy"))
+        plan = each_item_plan(list(stack), as_policy(options.get("policy")))
         rest = {k: v for k, v in options.items() if k != "policy"}
         return CheckpointedSequential.from_sequential(stack, plan, **rest)
 

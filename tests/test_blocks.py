@@ -102,7 +102,10 @@ def test_sequential_stacks_get_a_segment_per_block_by_default() -> None:
             model(x).sum().backward()
         peaks.append(memory.peak_bytes)
     assert peaks[0] < peaks[1]  # 3 segments: one plain, one recomputing 3 blocks
-    assert_matches_plain(make, x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
+    for options in ({}, {"policy": "compute_heavy"}, {"policy": {torch.ops.aten.mm}}):
+        assert_matches_plain(
+            make, x, lambda m, t, o=options: seqckpt.checkpoint_blocks(m, **o)(t)
+        )
 
 
 def test_checkpoint_blocks_on_a_stack_itself_and_where_there_is_none() -> None:
