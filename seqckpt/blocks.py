@@ -1,10 +1,10 @@
 """Checkpointing the stacks of repeated blocks in an existing model, in place:
 :func:`checkpoint_blocks`.
 
-Two kinds of stack are found. An ``nn.Sequential`` of blocks of one class is
-called as a whole, so it becomes a :class:`~seqckpt.CheckpointedSequential`
-over the same blocks (segments of several blocks). An ``nn.ModuleList`` of
-blocks of one class is looped over by its parent's forward (nanoGPT's ``h``,
+Two kinds of stack are found. An ``nn.Sequential`` of blocks is called as a
+whole, so it becomes a :class:`~seqckpt.CheckpointedSequential` over the same
+blocks (each block checkpointed on its own, or in segments). An
+``nn.ModuleList`` of blocks is looped over by its parent's forward (nanoGPT's ``h``,
 torchvision's MaxViT, most hand-written transformers), which seqckpt does not
 rewrite: there each block's own forward is made a region, by a
 :class:`CheckpointedForward` set on the block, so the parent's loop, the
@@ -108,9 +108,9 @@ def checkpoint_blocks(
     """Checkpoint the stacks of repeated blocks inside ``model``, in place.
 
     A stack is an ``nn.Sequential`` or ``nn.ModuleList`` whose children are two
-    or more modules of one class, or an ``nn.ModuleList`` of two or more blocks
-    (modules with submodules) of several classes (a hybrid stack: Jamba's
-    Mamba and attention layers); a list of routed experts (an ``nn.ModuleList``
+    or more modules of one class, or two or more blocks (modules with
+    submodules) of several classes (a hybrid stack: Jamba's Mamba and
+    attention layers, MobileNetV2's ``features``); a list of routed experts (an ``nn.ModuleList``
     named ``experts`` or the like) is not one. Only the innermost stacks are taken (a stack
     holding stacks, such as ConvNeXt's ``stages``, stays as it is), so
     checkpoints do not nest; where stacks nest three deep (HF's ResNet:
@@ -150,8 +150,8 @@ def checkpoint_blocks(
     Returns:
         ``model``; where ``model`` is itself an ``nn.Sequential`` stack, a new
         :class:`CheckpointedSequential` over its modules. Where it holds no
-        stack (torchvision's MobileNetV2 and VGG ``features`` mix classes), it
-        warns that nothing is checkpointed.
+        stack (torchvision's VGG ``features`` mixes layers of several classes),
+        it warns that nothing is checkpointed.
 
     Example:
         >>> import torch, seqckpt
@@ -228,7 +228,7 @@ def checkpoint_blocks(
         warnings.warn(
             f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
             f"nn.Sequential or nn.ModuleList of two or more modules of one "
-            f"class, or an nn.ModuleList of blocks of several) in "
+            f"class, or of blocks of several) in "
             f"{type(model).__name__}, so nothing is checkpointed. Swap "
             "its trunk yourself, e.g. model.features = "
             "CheckpointedSequential.from_sequential(model.features), or call "
@@ -360,8 +360,9 @@ def _checkpoints_itself(module: nn.Module) -> bool:
 
 def _is_stack(module: nn.Module, name: str = "") -> bool:
     """An nn.Sequential or nn.ModuleList of two or more modules of one class,
-    or an nn.ModuleList of two or more blocks (modules holding submodules) of
-    several classes: a hybrid stack (Jamba's Mamba and attention layers).
+    or of two or more blocks (modules holding submodules) of several classes:
+    a hybrid stack (Jamba's Mamba and attention layers, MobileNetV2's
+    features).
     Not a list of routed experts (an nn.ModuleList whose name, ``name`` being
     where its parent holds it, holds "expert": ``experts``, ``local_experts``,
     as mixture-of-experts layers name it): a token goes to a few of them, and
@@ -376,7 +377,7 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
         return False
     if len({type(m) for m in blocks}) == 1:
         return True
-    return kind is nn.ModuleList and all(m._modules for m in blocks)  # type: ignore[union-attr]
+    return all(m._modules for m in blocks)  # type: ignore[union-attr]
 
 
 def _checkpointed(module: nn.Module) -> bool:
