@@ -42,10 +42,13 @@ _LEAVES = frozenset({torch.Tensor, type(None), bool, int, float, str})
 
 def is_cache(value: object) -> bool:
     """A cache object a layer appends to: a class named ``...Cache`` in its
-    bases (HF's ``Cache`` classes, a model's own ``HybridMambaAttentionDynamicCache``;
-    a legacy tuple of tensors is never changed)."""
-    return type(value) not in _LEAVES and any(
-        c.__name__.endswith("Cache") for c in type(value).__mro__
+    bases (HF's ``Cache`` classes, a model's own
+    ``HybridMambaAttentionDynamicCache``; a legacy tuple of tensors is never
+    changed), other than a module (its state is the buffer guard's)."""
+    return (
+        type(value) not in _LEAVES
+        and any(c.__name__.endswith("Cache") for c in type(value).__mro__)
+        and not isinstance(value, torch.nn.Module)
     )
 
 
@@ -53,8 +56,10 @@ def _part_of_cache(value: object) -> bool:
     """An object copied with the cache: the cache and the objects of its parts
     (HF's per-layer ``DynamicLayer``: a ``CacheLayerMixin``), whose attributes
     the layers replace."""
-    return hasattr(value, "__dict__") and any(
-        "Cache" in c.__name__ for c in type(value).__mro__
+    return (
+        hasattr(value, "__dict__")
+        and any("Cache" in c.__name__ for c in type(value).__mro__)
+        and not isinstance(value, torch.nn.Module)
     )
 
 

@@ -4,9 +4,9 @@
 Two kinds of stack are found. An ``nn.Sequential`` of blocks is called as a
 whole, so it becomes a :class:`~seqckpt.CheckpointedSequential` over the same
 blocks (each block checkpointed on its own, or in segments). An
-``nn.ModuleList`` of blocks is looped over by its parent's forward (nanoGPT's ``h``,
-torchvision's MaxViT, most hand-written transformers), which seqckpt does not
-rewrite: there each block's own forward is made a region, by a
+``nn.ModuleList`` of blocks is looped over by its parent's forward (nanoGPT's
+``h``, torchvision's MaxViT, most hand-written transformers), which seqckpt
+does not rewrite: there each block's own forward is made a region, by a
 :class:`CheckpointedForward` set on the block, so the parent's loop, the
 block's attributes and every ``state_dict`` key stay as they were.
 """
@@ -110,12 +110,13 @@ def checkpoint_blocks(
     A stack is an ``nn.Sequential`` or ``nn.ModuleList`` whose children are two
     or more modules of one class, or two or more blocks (modules with
     submodules) of several classes (a hybrid stack: Jamba's Mamba and
-    attention layers, MobileNetV2's ``features``); a list of routed experts (an ``nn.ModuleList``
-    named ``experts`` or the like) is not one. Only the innermost stacks are taken (a stack
-    holding stacks, such as ConvNeXt's ``stages``, stays as it is), so
-    checkpoints do not nest; where stacks nest three deep (HF's ResNet:
-    stages, each a stack of blocks, each block running its layers as a stack)
-    the middle one is taken, the innermost being a block's own layers. Parameters, optimisers and ``state_dict`` keys
+    attention layers, MobileNetV2's ``features``); a list of routed experts
+    (an ``nn.ModuleList`` named ``experts`` or the like) is not one. Only the
+    innermost stacks are taken (a stack holding stacks, such as ConvNeXt's
+    ``stages``, stays as it is), so checkpoints do not nest; where stacks nest
+    three deep (HF's ResNet: stages, each a stack of blocks, each block
+    running its layers as a stack) the middle one is taken, the innermost
+    being a block's own layers. Parameters, optimisers and ``state_dict`` keys
     are unchanged: the same block objects stay where they were.
 
     - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
