@@ -116,8 +116,11 @@ def checkpoint_blocks(
     ``stages``, stays as it is), so checkpoints do not nest; where stacks nest
     three deep (HF's ResNet: stages, each a stack of blocks, each block
     running its layers as a stack) the middle one is taken, the innermost
-    being a block's own layers. Parameters, optimisers and ``state_dict`` keys
-    are unchanged: the same block objects stay where they were.
+    being a block's own layers. Among stages (an ``nn.Sequential`` or
+    ``nn.ModuleList`` of such containers, as timm's EfficientNet ``blocks``),
+    a stage of one block is taken too, unless ``segments`` is given.
+    Parameters, optimisers and ``state_dict`` keys are unchanged: the same
+    block objects stay where they were.
 
     - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
       ``blocks``) become :class:`CheckpointedSequential` s over their blocks,
@@ -213,8 +216,12 @@ def checkpoint_blocks(
         if inner is not m
     }
     for parent in model.modules():
+        stages = segments is None and _holds_stages(parent)
         for name, child in parent.named_children():
-            if id(child) in covered or not _is_innermost_stack(child, name, bodies):
+            if id(child) in covered or not (
+                _is_innermost_stack(child, name, bodies)
+                or (stages and _is_lone_block(child, bodies))
+            ):
                 continue
             covered.update(id(inner) for inner in child.modules() if inner is not child)
             if isinstance(child, nn.Sequential):
@@ -392,6 +399,37 @@ def _holds_blocks(module: nn.Module, name: str = "") -> bool:
     """A stack whose modules hold submodules: blocks, not single layers."""
     blocks = module._modules.values()
     return _is_stack(module, name) and any(b._modules for b in blocks)  # type: ignore[union-attr]
+
+
+def _holds_stages(module: nn.Module) -> bool:
+    """An nn.Sequential or nn.ModuleList of two or more stages: nn.Sequential
+    or nn.ModuleList containers (timm's EfficientNet, MobileNetV3 and GhostNet
+    ``blocks``, its ByobNet ``stages``)."""
+    kinds = (nn.Sequential, nn.ModuleList)
+    members = module._modules.values()
+    return (
+        type(module) in kinds
+        and len(members) >= 2
+        and all(type(m) in kinds for m in members)
+    )
+
+
+def _is_lone_block(module: nn.Module, bodies: set[int]) -> bool:
+    """A stage of one block (no stack, being one module), taken beside the
+    stages of several that are: the first stages of EfficientNet-style
+    models hold one block at the largest resolution."""
+    blocks = list(module._modules.values())
+    return (
+        type(module) in (nn.Sequential, nn.ModuleList)
+        and len(blocks) == 1
+        and blocks[0] is not None
+        and bool(blocks[0]._modules)
+        and not any(
+            (_holds_blocks(m, n) and id(m) not in bodies) or _checkpointed(m)
+            for n, m in module.named_modules()
+            if m is not module
+        )
+    )
 
 
 def _block_bodies(model: nn.Module) -> set[int]:
