@@ -424,11 +424,7 @@ def _is_lone_block(module: nn.Module, bodies: set[int]) -> bool:
         and len(blocks) == 1
         and blocks[0] is not None
         and bool(blocks[0]._modules)
-        and not any(
-            (_holds_blocks(m, n) and id(m) not in bodies) or _checkpointed(m)
-            for n, m in module.named_modules()
-            if m is not module
-        )
+        and _nothing_inside(module, bodies)
     )
 
 
@@ -466,7 +462,13 @@ def _is_innermost_stack(
     ``conv_list``: a few convolutions of a block, not a stack of blocks) and a
     stack among ``bodies`` (see :func:`_block_bodies`) do not stop the blocks
     from being the stack."""
-    return _is_stack(module, name) and not any(
+    return _is_stack(module, name) and _nothing_inside(module, bodies)
+
+
+def _nothing_inside(module: nn.Module, bodies: set[int]) -> bool:
+    """No stack of blocks (other than ``bodies``) and nothing checkpointed
+    already lies inside ``module``: taking it nests no checkpoint."""
+    return not any(
         (_holds_blocks(m, n) and id(m) not in bodies) or _checkpointed(m)
         for n, m in module.named_modules()
         if m is not module
