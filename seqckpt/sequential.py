@@ -340,7 +340,15 @@ class CheckpointedSequential(nn.Sequential):
                 _RUNNING.reset(token)
 
     def extra_repr(self) -> str:
-        parts = [] if self.segments is None else [f"segments={self.segments!r}"]
+        segments = self.segments
+        if isinstance(segments, Plan):  # (print(stack.segments) shows its tree)
+            segments = (
+                f"<plan for modules {segments.start}-{segments.stop - 1}, "
+                f"{segments.checkpoints()} checkpoints>"
+            )
+        else:
+            segments = repr(segments)
+        parts = [] if self.segments is None else [f"segments={segments}"]
         if self.memory_budget is not None:
             parts.append(f"memory_budget={self.memory_budget!r}")
         if self.policy is not None:

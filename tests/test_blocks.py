@@ -93,6 +93,8 @@ def test_sequential_stacks_get_a_segment_per_block_by_default() -> None:
     items = per_block.segments.items
     assert [(i.start, i.stop) for i in items] == [(i, i + 1) for i in range(9)]
     assert all(isinstance(i, seqckpt.planner.Recompute) for i in items)
+    # printed in one line, not as the plan's dataclass tree
+    assert "segments=<plan for modules 0-8, 9 checkpoints>" in repr(per_block)
     x = torch.randn(64, 8, requires_grad=True)
     peaks = []
     for model in (per_block, CheckpointedSequential.from_sequential(make())):
