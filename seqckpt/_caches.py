@@ -29,15 +29,14 @@ from typing import Any
 
 import torch
 
+from seqckpt._buffers import _LEAVES  # argument types that hold nothing
+
 __all__ = ["CacheCopies", "is_cache"]
 
 # Tensors of at most this many elements are copied by value (the counters
 # HF's caches add to in place: cumulative lengths); larger ones are shared and
 # must not be written in place after the region starts.
 _BY_VALUE = 64
-
-# Argument types that are never a cache (checked first: the usual arguments)
-_LEAVES = frozenset({torch.Tensor, type(None), bool, int, float, str})
 
 
 def is_cache(value: object) -> bool:

@@ -17,6 +17,7 @@ import functools
 import inspect
 import warnings
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -366,6 +367,10 @@ def _checkpoints_itself(module: nn.Module) -> bool:
     )
 
 
+# The containers a stack (and a stage of stacks) is held in
+_CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
 def _is_stack(module: nn.Module, name: str = "") -> bool:
     """An nn.Sequential or nn.ModuleList of two or more modules of one class,
     or of two or more blocks (modules holding submodules) of several classes:
@@ -376,7 +381,7 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
     as mixture-of-experts layers name it): a token goes to a few of them, and
     the layer holding them is the block."""
     kind = type(module)
-    if kind is not nn.Sequential and kind is not nn.ModuleList:
+    if kind not in _CONTAINERS:
         return False
     blocks = list(module._modules.values())  # a shared block as often as it is there
     if len(blocks) < 2 or any(m is None for m in blocks):
@@ -405,22 +410,21 @@ def _holds_stages(module: nn.Module) -> bool:
     """An nn.Sequential or nn.ModuleList of two or more stages: nn.Sequential
     or nn.ModuleList containers (timm's EfficientNet, MobileNetV3 and GhostNet
     ``blocks``, its ByobNet ``stages``)."""
-    kinds = (nn.Sequential, nn.ModuleList)
     members = module._modules.values()
     return (
-        type(module) in kinds
+        type(module) in _CONTAINERS
         and len(members) >= 2
-        and all(type(m) in kinds for m in members)
+        and all(type(m) in _CONTAINERS for m in members)
     )
 
 
-def _is_lone_block(module: nn.Module, bodies: set[int]) -> bool:
+def _is_lone_block(module: nn.Module, bodies: AbstractSet[int]) -> bool:
     """A stage of one block (no stack, being one module), taken beside the
     stages of several that are: the first stages of EfficientNet-style
     models hold one block at the largest resolution."""
     blocks = list(module._modules.values())
     return (
-        type(module) in (nn.Sequential, nn.ModuleList)
+        type(module) in _CONTAINERS
         and len(blocks) == 1
         and blocks[0] is not None
         and bool(blocks[0]._modules)
@@ -454,7 +458,7 @@ def _block_bodies(model: nn.Module) -> set[int]:
 def _is_innermost_stack(
     module: nn.Module,
     name: str = "",
-    bodies: set[int] = frozenset(),  # type: ignore[assignment]
+    bodies: AbstractSet[int] = frozenset(),
 ) -> bool:
     """A stack holding no other stack of blocks and nothing checkpointed
     already (checkpoints do not nest, also over two calls). A stack of layers
@@ -465,7 +469,7 @@ def _is_innermost_stack(
     return _is_stack(module, name) and _nothing_inside(module, bodies)
 
 
-def _nothing_inside(module: nn.Module, bodies: set[int]) -> bool:
+def _nothing_inside(module: nn.Module, bodies: AbstractSet[int]) -> bool:
     """No stack of blocks (other than ``bodies``) and nothing checkpointed
     already lies inside ``module``: taking it nests no checkpoint."""
     return not any(

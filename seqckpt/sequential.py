@@ -340,15 +340,15 @@ class CheckpointedSequential(nn.Sequential):
                 _RUNNING.reset(token)
 
     def extra_repr(self) -> str:
-        segments = self.segments
-        if isinstance(segments, Plan):  # (print(stack.segments) shows its tree)
-            segments = (
-                f"<plan for modules {segments.start}-{segments.stop - 1}, "
-                f"{segments.checkpoints()} checkpoints>"
+        plan = self.segments
+        parts = []
+        if isinstance(plan, Plan):  # one line (print(stack.segments) shows the tree)
+            parts.append(
+                f"segments=<plan for modules {plan.start}-{plan.stop - 1}, "
+                f"{plan.checkpoints()} checkpoints>"
             )
-        else:
-            segments = repr(segments)
-        parts = [] if self.segments is None else [f"segments={segments}"]
+        elif plan is not None:
+            parts.append(f"segments={plan!r}")
         if self.memory_budget is not None:
             parts.append(f"memory_budget={self.memory_budget!r}")
         if self.policy is not None:
