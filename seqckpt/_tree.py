@@ -37,6 +37,49 @@ def tensors_in(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Te
     return out
 
 
+def copy_lists(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``args`` and ``kwargs`` with each list and dict inside them (through
+    tuples, lists and dicts) copied, the items shared, or None where they hold
+    none. A caller that changes a list after passing it (DenseNet appends each
+    layer's output to the list of features the next layers take) would change
+    what a recompute reads; the copy is what the call was given.
+
+    Example:
+        >>> features = [torch.ones(1)]
+        >>> args, _ = copy_lists((features,), {})
+        >>> features.append(torch.zeros(1))
+        >>> len(args[0]), args[0][0] is features[0]
+        (1, True)
+    """
+    if not kwargs:
+        for a in args:
+            if type(a) is not torch.Tensor and isinstance(a, (tuple, list, dict)):
+                break
+        else:
+            return None  # (the usual call: tensors and plain values)
+    found: list[bool] = []
+    copied = _copied(args, found), {k: _copied(v, found) for k, v in kwargs.items()}
+    return copied if found else None
+
+
+def _copied(o: Any, found: list[bool]) -> Any:
+    kind = type(o)
+    if kind is list:
+        found.append(True)
+        return [_copied(i, found) for i in o]
+    if kind is dict:
+        found.append(True)
+        return {k: _copied(v, found) for k, v in o.items()}
+    if isinstance(o, tuple):
+        items = [_copied(i, found) for i in o]
+        if all(a is b for a, b in zip(items, o)):  # noqa: B905
+            return o
+        return kind(*items) if hasattr(o, "_fields") else kind(items)
+    return o
+
+
 def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold ``t``'s data: ``t`` itself, or for a wrapper
     subclass such as DTensor (which has no memory of its own) its inner

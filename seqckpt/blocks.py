@@ -4,11 +4,12 @@
 Two kinds of stack are found. An ``nn.Sequential`` of blocks is called as a
 whole, so it becomes a :class:`~seqckpt.CheckpointedSequential` over the same
 blocks (each block checkpointed on its own, or in segments). An
-``nn.ModuleList`` of blocks is looped over by its parent's forward (nanoGPT's
-``h``, torchvision's MaxViT, most hand-written transformers), which seqckpt
-does not rewrite: there each block's own forward is made a region, by a
-:class:`CheckpointedForward` set on the block, so the parent's loop, the
-block's attributes and every ``state_dict`` key stay as they were.
+``nn.ModuleList`` or ``nn.ModuleDict`` of blocks, or a container subclass, is
+looped over by its parent's forward or its own (nanoGPT's ``h``,
+torchvision's MaxViT and DenseNet, most hand-written transformers), which
+seqckpt does not rewrite: there each block's own forward is made a region, by
+a :class:`CheckpointedForward` set on the block, so the loop, the block's
+attributes and every ``state_dict`` key stay as they were.
 """
 
 from __future__ import annotations
@@ -108,11 +109,13 @@ def checkpoint_blocks(
 ) -> nn.Module:
     """Checkpoint the stacks of repeated blocks inside ``model``, in place.
 
-    A stack is an ``nn.Sequential`` or ``nn.ModuleList`` whose children are two
-    or more modules of one class, or two or more blocks (modules with
-    submodules) of several classes (a hybrid stack: Jamba's Mamba and
-    attention layers, MobileNetV2's ``features``); a list of routed experts
-    (an ``nn.ModuleList`` named ``experts`` or the like) is not one. Only the
+    A stack is an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``
+    (or a subclass: torchvision's RegNet stages and DenseNet blocks) whose
+    children are two or more modules of one class (blocks, for a dict), or
+    two or more blocks (modules with submodules) of several classes (a hybrid
+    stack: Jamba's Mamba and attention layers, MobileNetV2's ``features``); a
+    list of routed experts (an ``nn.ModuleList`` named ``experts`` or the
+    like) is not one. Only the
     innermost stacks are taken (a stack holding stacks, such as ConvNeXt's
     ``stages``, stays as it is), so checkpoints do not nest; where stacks nest
     three deep (HF's ResNet: stages, each a stack of blocks, each block
@@ -126,12 +129,15 @@ def checkpoint_blocks(
     - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
       ``blocks``) become :class:`CheckpointedSequential` s over their blocks,
       every block its own segment unless ``segments`` says otherwise.
-    - ``nn.ModuleList`` stacks (nanoGPT's ``transformer.h``, torchvision's
-      MaxViT ``layers``) are looped over by the parent's forward: each block
-      gets a :class:`CheckpointedForward`, so every call of it is a region of
-      its own (``segments`` does not apply, and a warning says so; the
-      block's hooks run once per call). Arguments and results may be anything
-      a region takes (keywords, tuples).
+    - ``nn.ModuleList`` and ``nn.ModuleDict`` stacks and container
+      subclasses (nanoGPT's ``transformer.h``, torchvision's MaxViT
+      ``layers``, DenseNet's blocks) are looped over by the parent's forward
+      or their own and stay in place: each block gets a
+      :class:`CheckpointedForward`, so every call of it is a region of its
+      own (``segments`` does not apply, and a warning says so; the block's
+      hooks run once per call). Arguments and results may be anything a
+      region takes (keywords, tuples, the list of features DenseNet's layers
+      take).
 
     This is seqckpt's stand-in for timm's ``model.set_grad_checkpointing()``
     and HF's ``gradient_checkpointing_enable()``; leave those off (it warns
@@ -203,10 +209,11 @@ def checkpoint_blocks(
     )
     bodies = _block_bodies(model)
     innermost = _is_innermost_stack(model, bodies=bodies)
-    if innermost and isinstance(model, nn.Sequential):
+    if innermost and _swappable(model):
+        assert isinstance(model, nn.Sequential)
         return swapped(model)
     sequentials: list[tuple[nn.Module, str, nn.Sequential]] = []
-    lists: list[nn.ModuleList] = []
+    lists: list[nn.Module] = []  # stacks looped over (or called) as they are
     # What lies inside a stack taken or a module checkpointed already (a stack
     # of layers inside a block: Res2Net's convs) is not taken: no nesting.
     covered = {
@@ -225,19 +232,18 @@ def checkpoint_blocks(
             ):
                 continue
             covered.update(id(inner) for inner in child.modules() if inner is not child)
-            if isinstance(child, nn.Sequential):
+            if _swappable(child):
+                assert isinstance(child, nn.Sequential)
                 sequentials.append((parent, name, child))
             else:
-                assert isinstance(child, nn.ModuleList)
                 lists.append(child)
     if innermost:
-        assert isinstance(model, nn.ModuleList)
         lists.append(model)  # its blocks are what changes
     if not sequentials and not lists and not any(map(_checkpointed, model.modules())):
         warnings.warn(
             f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
-            f"nn.Sequential or nn.ModuleList of two or more modules of one "
-            f"class, or of blocks of several) in "
+            f"nn.Sequential, nn.ModuleList or nn.ModuleDict of two or more modules "
+            f"of one class, or of blocks of several) in "
             f"{type(model).__name__}, so nothing is checkpointed. Swap "
             "its trunk yourself, e.g. model.features = "
             "CheckpointedSequential.from_sequential(model.features), or call "
@@ -247,8 +253,9 @@ def checkpoint_blocks(
     if segments is not None and lists:
         warnings.warn(
             f"seqckpt: segments={segments} applies to nn.Sequential stacks; the "
-            f"nn.ModuleList stacks in {type(model).__name__} are looped over by "
-            "its own forward, so each of their blocks is a region of its own.",
+            f"other stacks in {type(model).__name__} (nn.ModuleList, "
+            "nn.ModuleDict, container subclasses) are looped over by its own "
+            "code, so each of their blocks is a region of its own.",
             stacklevel=2,
         )
     own = next((m for m in model.modules() if _checkpoints_itself(m)), None)
@@ -271,9 +278,10 @@ def checkpoint_blocks(
         # leaves plain: there each block is a region of its own.
         for block in stack:
             _give_checkpointed_forward(block, block_options, in_sequential=True)
-    for blocks in lists:
-        for block in blocks:
-            _give_checkpointed_forward(block, block_options, in_sequential=False)
+    for looped in lists:
+        for member in looped._modules.values():
+            assert member is not None
+            _give_checkpointed_forward(member, block_options, in_sequential=False)
     return model
 
 
@@ -367,30 +375,42 @@ def _checkpoints_itself(module: nn.Module) -> bool:
     )
 
 
-# The containers a stack (and a stage of stacks) is held in
-_CONTAINERS = (nn.Sequential, nn.ModuleList)
+# The containers a stack (and a stage of stacks) is held in, their subclasses
+# too (torchvision's RegNet stages and DenseNet blocks, timm's DenseNet blocks)
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 def _is_stack(module: nn.Module, name: str = "") -> bool:
-    """An nn.Sequential or nn.ModuleList of two or more modules of one class,
-    or of two or more blocks (modules holding submodules) of several classes:
-    a hybrid stack (Jamba's Mamba and attention layers, MobileNetV2's
-    features).
-    Not a list of routed experts (an nn.ModuleList whose name, ``name`` being
+    """A container (``nn.Sequential``, ``nn.ModuleList``, ``nn.ModuleDict`` or
+    a subclass) of two or more modules of one class, or of two or more blocks
+    (modules holding submodules) of several classes: a hybrid stack (Jamba's
+    Mamba and attention layers, MobileNetV2's ``features``). An
+    ``nn.ModuleDict`` holds blocks only (a dict of single layers is a set of
+    heads or adapters, not a chain).
+    Not a list of routed experts (a list or dict whose name, ``name`` being
     where its parent holds it, holds "expert": ``experts``, ``local_experts``,
     as mixture-of-experts layers name it): a token goes to a few of them, and
     the layer holding them is the block."""
-    kind = type(module)
-    if kind not in _CONTAINERS:
+    if not isinstance(module, _CONTAINERS):
         return False
-    blocks = list(module._modules.values())  # a shared block as often as it is there
-    if len(blocks) < 2 or any(m is None for m in blocks):
+    members = list(module._modules.values())  # a shared block as often as it is there
+    if len(members) < 2 or any(m is None for m in members):
         return False
-    if kind is nn.ModuleList and "expert" in name.rpartition(".")[2].lower():
+    if not isinstance(module, nn.Sequential) and (
+        "expert" in name.rpartition(".")[2].lower()
+    ):
         return False
-    if len({type(m) for m in blocks}) == 1:
+    if len({type(m) for m in members}) == 1 and not isinstance(module, nn.ModuleDict):
         return True
-    return all(m._modules for m in blocks)  # type: ignore[union-attr]
+    return all(m._modules for m in members)  # type: ignore[union-attr]
+
+
+def _swappable(stack: nn.Module) -> bool:
+    """A stack called as a whole, by ``nn.Sequential``'s own forward: it is
+    swapped for a CheckpointedSequential. Any other (a list or dict, a
+    container subclass with a forward or attributes of its own) keeps its
+    place, and its blocks are made regions one by one."""
+    return type(stack) is nn.Sequential
 
 
 def _checkpointed(module: nn.Module) -> bool:
@@ -412,9 +432,9 @@ def _holds_stages(module: nn.Module) -> bool:
     ``blocks``, its ByobNet ``stages``)."""
     members = module._modules.values()
     return (
-        type(module) in _CONTAINERS
+        isinstance(module, _CONTAINERS)
         and len(members) >= 2
-        and all(type(m) in _CONTAINERS for m in members)
+        and all(isinstance(m, _CONTAINERS) for m in members)
     )
 
 
@@ -422,36 +442,64 @@ def _is_lone_block(module: nn.Module, bodies: AbstractSet[int]) -> bool:
     """A stage of one block (no stack, being one module), taken beside the
     stages of several that are: the first stages of EfficientNet-style
     models hold one block at the largest resolution."""
+    return _one_block(module) and _nothing_inside(module, bodies)
+
+
+def _one_block(module: nn.Module) -> bool:
+    """A container of one block (a module with submodules, not a container:
+    a stage holding a stack is the stack's)."""
     blocks = list(module._modules.values())
     return (
-        type(module) in _CONTAINERS
+        isinstance(module, _CONTAINERS)
         and len(blocks) == 1
-        and blocks[0] is not None
-        and bool(blocks[0]._modules)
-        and _nothing_inside(module, bodies)
+        and bool(getattr(blocks[0], "_modules", None))
+        and not isinstance(blocks[0], _CONTAINERS)
     )
 
 
 def _block_bodies(model: nn.Module) -> set[int]:
-    """The ids of the stacks in ``model`` that are a block's own layers: a
-    stack holding no stack of blocks, inside a block of a stack that is itself
-    inside a block of a stack (HF's ResNet: stages, each a stack of bottleneck
-    blocks, each running its convolution layers as a stack; FocalNet's focal
-    layers, HGNetV2's layers). The middle stack is the stack of blocks there:
-    a region per few convolutions of a block leaves the rest of the block's
-    activations (its residual path) kept."""
+    """The ids of the stacks in ``model`` that are a block's own layers:
+
+    - a stack holding no stack of blocks, inside a block of a stack that is
+      itself inside a block of a stack (HF's ResNet: stages, each a stack of
+      bottleneck blocks, each running its convolution layers as a stack;
+      FocalNet's focal layers, HGNetV2's layers). The middle stack is the
+      stack of blocks there: a region per few convolutions of a block leaves
+      the rest of the block's activations (its residual path) kept.
+    - the stacks inside fewer than half the blocks of a stack of blocks
+      (Xception's last block runs its convolutions as a stack, its twelve
+      others as layers and activations): the outer stack is the stack of
+      blocks there. Not for a stack of stages (containers), whose stages of
+      one block hold no stack.
+    """
     bodies: set[int] = set()
 
-    def walk(module: nn.Module, name: str, enclosing: int) -> bool:
-        stack = _holds_blocks(module, name)
-        inner = False  # whether a stack of blocks lies inside module
+    def walk(module: nn.Module, name: str, enclosing: int, stage: bool) -> bool:
+        # (a stage of one block among stages counts as a stack of blocks)
+        stack = _holds_blocks(module, name) or (stage and _one_block(module))
+        stages = _holds_stages(module)
+        holding = []  # the children with a stack of blocks inside (or one)
         for child_name, child in module.named_children():
-            inner = walk(child, child_name, enclosing + stack) or inner
-        if stack and not inner and enclosing >= 2:
+            if walk(child, child_name, enclosing + stack, stages):
+                holding.append(child)
+        members = module._modules.values()
+        if (
+            stack
+            and 2 * len(holding) < len(members)
+            and not any(isinstance(m, _CONTAINERS) for m in members)
+        ):
+            bodies.update(
+                id(m)
+                for block in holding
+                for n, m in block.named_modules()
+                if _holds_blocks(m, n)
+            )
+            holding = []
+        if stack and not holding and enclosing >= 2:
             bodies.add(id(module))
-        return stack or inner
+        return stack or bool(holding)
 
-    walk(model, "", 0)
+    walk(model, "", 0, False)
     return bodies
 
 

@@ -58,7 +58,7 @@ from seqckpt._buffers import (
 )
 from seqckpt._caches import CacheCopies
 from seqckpt._state import _GENERATOR
-from seqckpt._tree import plain_tensors, replace_tensors, tensors_in
+from seqckpt._tree import copy_lists, plain_tensors, replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Kept, Policy, Serving, as_policy, uncounted_op
 
 __all__ = ["CheckpointError", "CheckpointedFunction", "checkpoint"]
@@ -784,6 +784,7 @@ class _Region:
         "modes",
         "unfilled",
         "caches",
+        "snapshot",
         "__weakref__",
     )
 
@@ -850,6 +851,9 @@ class _Region:
             self.versions = None
             self.input_ids = None
         self.args, self.kwargs = args, kwargs
+        # The lists and dicts among the arguments as the call got them: the
+        # forward runs on the caller's, the recompute on these (see copy_lists).
+        self.snapshot = copy_lists(args, kwargs)
         if modules is None:
             modules = modules_of(function, None, args, kwargs)
         conservative = options.determinism_check == "values"
@@ -938,6 +942,9 @@ class _Region:
             _POLICY_CHILDREN.reset(running)
             self.children = [weakref.ref(c) for c in children] if children else None
             self.in_forward = False
+            if self.snapshot is not None:
+                self.args, self.kwargs = self.snapshot
+                self.snapshot = None
             self.recomputed = None  # tensors recomputed for a backward run inside
             _state.end(_state.CHECKPOINTING, phase)
             if guard is not None:

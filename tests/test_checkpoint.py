@@ -195,6 +195,47 @@ def test_kwargs_containers_and_non_tensors() -> None:
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_lists_and_dicts_changed_after_the_call(nested: bool) -> None:
+    # DenseNet hands each layer the list of all earlier features and appends
+    # the layer's output to it afterwards; the recompute read the longer list
+    # (a shape error in backward, torch's checkpoint alike). A list the
+    # function appends to (outputs collected layer by layer) got every entry
+    # twice, the second in backward.
+    def dense(
+        lin: nn.Module, x: torch.Tensor, call: Callable[..., Any]
+    ) -> torch.Tensor:
+        def layer(features: list, table: dict, collected: list) -> torch.Tensor:
+            out = torch.tanh(lin(torch.cat(features)) * table["scale"])
+            collected.append(out.detach())
+            return out
+
+        features, table, collected = [x], {"scale": 2.0}, []
+        for _ in range(3):
+            features.append(call(layer, features, table, collected))
+            table["scale"] = 0.5  # changed too
+        assert len(collected) == 3
+        return torch.cat(features).sum()
+
+    def checkpointed(lin: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if nested:
+            return checkpoint(dense, lin, x, checkpoint)  # type: ignore[no-any-return]
+        return dense(lin, x, checkpoint)
+
+    x = torch.randn(2, 3, requires_grad=True)
+    assert_matches_plain(
+        nn.Linear(3, 3), x, checkpointed, lambda m, t: dense(m, t, lambda f, *a: f(*a))
+    )
+
+    def collecting(t: torch.Tensor, out: list[torch.Tensor]) -> torch.Tensor:
+        out.append(t.detach())
+        return t.exp()
+
+    collected: list[torch.Tensor] = []
+    checkpoint(collecting, x, collected).sum().backward()
+    assert len(collected) == 1  # the recompute appended to a copy
+
+
 class NamedTable(dict):  # type: ignore[type-arg]
     """A dict subclass whose constructor takes something else than items."""
 
