@@ -127,6 +127,11 @@ def check_torchvision() -> dict[str, tuple[int, int]]:
     found["densenet121 (own ckpt)"] = compare(
         build, torch.randn(2, 3, 64, 64), memory_efficient
     )
+    # Its blocks are nn.ModuleDict subclasses whose layers take the growing
+    # list of features: each layer a region of its own.
+    found["densenet121"] = compare(
+        build, torch.randn(2, 3, 64, 64), seqckpt.checkpoint_blocks
+    )
     return found
 
 

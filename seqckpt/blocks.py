@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import warnings
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
@@ -115,7 +116,12 @@ def checkpoint_blocks(
     two or more blocks (modules with submodules) of several classes (a hybrid
     stack: Jamba's Mamba and attention layers, MobileNetV2's ``features``); a
     list of routed experts (an ``nn.ModuleList`` named ``experts`` or the
-    like) is not one. Only the
+    like) is not one. Where no stack encloses them, two more kinds count:
+    blocks of one class held as numbered attributes (``b1``, ``b2``, ...:
+    timm's RegNet stages) by a module with nothing else, and an
+    ``nn.Sequential`` or ``nn.ModuleList`` of blocks with single layers
+    between them, no fewer blocks than layers (SqueezeNet's and DPN's
+    ``features``; inside a block such a list is the block's own layers). Only the
     innermost stacks are taken (a stack holding stacks, such as ConvNeXt's
     ``stages``, stays as it is), so checkpoints do not nest; where stacks nest
     three deep (HF's ResNet: stages, each a stack of blocks, each block
@@ -229,6 +235,10 @@ def checkpoint_blocks(
             if id(child) in covered or not (
                 _is_innermost_stack(child, name, bodies)
                 or (stages and _is_lone_block(child, bodies))
+                or (
+                    (_numbered_blocks(child) or _blocks_between_layers(child))
+                    and _nothing_inside(child, bodies)
+                )
             ):
                 continue
             covered.update(id(inner) for inner in child.modules() if inner is not child)
@@ -403,6 +413,51 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
     if len({type(m) for m in members}) == 1 and not isinstance(module, nn.ModuleDict):
         return True
     return all(m._modules for m in members)  # type: ignore[union-attr]
+
+
+def _blocks_between_layers(module: nn.Module) -> bool:
+    """An ``nn.Sequential`` or ``nn.ModuleList`` of two or more blocks with
+    single layers between them, as many blocks as layers or more: a trunk
+    (SqueezeNet's fire modules between pooling layers, DPN's blocks). Taken
+    where no stack encloses it and it holds none: inside a block such a list
+    is the block's own layers (MobileNetV2's convolutions and norms)."""
+    if type(module) not in (nn.Sequential, nn.ModuleList):
+        return False
+    members = list(module._modules.values())
+    blocks = sum(1 for m in members if m is not None and m._modules)
+    return blocks >= 2 and 2 * blocks >= len(members) and None not in members
+
+
+def _numbered_blocks(module: nn.Module) -> bool:
+    """A module (no container) holding as its attributes only two or more
+    blocks of one class, named as numbered (``b1``, ``b2``, ...), and no
+    parameter of its own: timm's RegNet stages, which loop over
+    ``self.children()``. It is taken where no stack encloses it and it holds
+    none (a module's layers named ``conv1``, ``conv2`` never stop its own
+    stack from being taken); its blocks are made regions in place."""
+    members = list(module._modules.values())
+    if (
+        isinstance(module, _CONTAINERS)
+        or len(members) < 2
+        or next(module.parameters(recurse=False), None) is not None
+    ):
+        return False
+    kind = type(members[0])
+    if issubclass(kind, _CONTAINERS) or not members[0]._modules:  # type: ignore[union-attr]
+        return False
+    if any(type(m) is not kind for m in members):
+        return False
+    names = [_NUMBERED.fullmatch(n) for n in module._modules]
+    if not all(names):
+        return False
+    prefixes = {m.group(1) for m in names if m is not None}
+    numbers = sorted(int(m.group(2)) for m in names if m is not None)
+    return len(prefixes) == 1 and numbers == list(
+        range(numbers[0], numbers[0] + len(numbers))
+    )
+
+
+_NUMBERED = re.compile(r"([A-Za-z_]+?)_?(\d+)")
 
 
 def _swappable(stack: nn.Module) -> bool:

@@ -604,6 +604,85 @@ def test_a_stage_of_one_block_with_a_stack_inside_is_the_region() -> None:
     )
 
 
+class RegStage(nn.Module):
+    """timm's RegNet stage: blocks held as numbered attributes, looped over."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        for i in range(depth):
+            self.add_module(f"b{i + 1}", Block())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.children():
+            x = block(x)
+        return x
+
+
+class TwoConvs(nn.Module):
+    """A block whose two layers are numbered attributes of one class."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = ConvLayer(), ConvLayer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(self.conv1(x))
+
+
+def test_numbered_blocks_held_as_attributes_are_a_stack() -> None:
+    # timm's RegNet holds each stage's blocks as b1, b2, ...: nothing was
+    # checkpointed (regnety_040_sgn at 224x224, batch 2: 297.91 -> 297.91 MiB;
+    # now 76.57, timm's own route 76.6)
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(RegStage(3), nn.Linear(6, 6), RegStage(2))
+
+    model = seqckpt.checkpoint_blocks(make())
+    assert type(model[0]) is RegStage
+    assert all(
+        isinstance(b.__dict__["forward"], CheckpointedForward)
+        for stage in (model[0], model[2])
+        for b in stage.children()
+    )
+    assert_matches_plain(
+        make,
+        torch.randn(8, 6, requires_grad=True),
+        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
+    )
+    # a block's numbered layers do not stop its own stack from being taken
+    blocks = seqckpt.checkpoint_blocks(nn.Sequential(TwoConvs(), TwoConvs()))
+    assert type(blocks) is CheckpointedSequential
+    assert not any("forward" in m.__dict__ for b in blocks for m in b.children())
+
+
+def test_a_trunk_of_blocks_between_single_layers_is_a_stack() -> None:
+    # SqueezeNet's features and DPN's: blocks with pooling layers between
+    # them were no stack, so nothing was checkpointed (squeezenet1_0 at
+    # 128x128, batch 2: 20.66 -> 20.66 MiB; now 11.64; timm's dpn68 at
+    # 224x224: 183.04 -> 183.04; now 43.13, timm's own route 44.6)
+    def trunk() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(6, 6), Block(), Block(), nn.Tanh(), Block(), nn.Dropout(0.1)
+        )
+
+    def make() -> nn.Sequential:
+        return nn.Sequential(trunk(), nn.Linear(6, 2))
+
+    model = seqckpt.checkpoint_blocks(make())
+    assert type(model[0]) is CheckpointedSequential
+    assert len(model[0].segments.items) == 6
+    assert_matches_plain(
+        make,
+        torch.randn(8, 6, requires_grad=True),
+        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
+    )
+    # inside a stack of blocks such a list is a block's own layers
+    stack = seqckpt.checkpoint_blocks(nn.Sequential(trunk(), trunk()))
+    assert type(stack) is CheckpointedSequential
+    assert all(type(t) is nn.Sequential for t in stack)
+
+
 class LoopedStage(nn.Module):
     """A stage that loops over its nn.Sequential of blocks instead of calling
     it (HF ResNet, BiT and CvT stages: ``for layer in self.layers``)."""
