@@ -126,9 +126,10 @@ def checkpoint_blocks(
     ``stages``, stays as it is), so checkpoints do not nest; where stacks nest
     three deep (HF's ResNet: stages, each a stack of blocks, each block
     running its layers as a stack) the middle one is taken, the innermost
-    being a block's own layers. Among stages (an ``nn.Sequential`` or
-    ``nn.ModuleList`` of such containers, as timm's EfficientNet ``blocks``),
-    a stage of one block is taken too, unless ``segments`` is given.
+    being a block's own layers. Among stages (a container of such containers,
+    as timm's EfficientNet ``blocks``, or stages held as numbered attributes:
+    ResNet's ``layer1`` to ``layer4``), a stage of one block is taken too,
+    unless ``segments`` is given.
     Parameters, optimisers and ``state_dict`` keys are unchanged: the same
     block objects stay where they were.
 
@@ -428,9 +429,9 @@ def _blocks_between_layers(module: nn.Module) -> bool:
     return blocks >= 2 and 2 * blocks >= len(members) and None not in members
 
 
-def _numbered_blocks(module: nn.Module) -> bool:
-    """A module (no container) holding as its attributes only two or more
-    blocks of one class, named as numbered (``b1``, ``b2``, ...), and no
+def _numbered_blocks(module: nn.Module, least: int = 2) -> bool:
+    """A module (no container) holding as its attributes only ``least`` or
+    more blocks of one class, named as numbered (``b1``, ``b2``, ...), and no
     parameter of its own: timm's RegNet stages, which loop over
     ``self.children()``. It is taken where no stack encloses it and it holds
     none (a module's layers named ``conv1``, ``conv2`` never stop its own
@@ -438,7 +439,8 @@ def _numbered_blocks(module: nn.Module) -> bool:
     members = list(module._modules.values())
     if (
         isinstance(module, _CONTAINERS)
-        or len(members) < 2
+        or len(members) < least
+        or not members
         or next(module.parameters(recurse=False), None) is not None
     ):
         return False
@@ -482,14 +484,26 @@ def _holds_blocks(module: nn.Module, name: str = "") -> bool:
 
 
 def _holds_stages(module: nn.Module) -> bool:
-    """An nn.Sequential or nn.ModuleList of two or more stages: nn.Sequential
-    or nn.ModuleList containers (timm's EfficientNet, MobileNetV3 and GhostNet
-    ``blocks``, its ByobNet ``stages``)."""
-    members = module._modules.values()
-    return (
-        isinstance(module, _CONTAINERS)
-        and len(members) >= 2
-        and all(isinstance(m, _CONTAINERS) for m in members)
+    """A container of two or more stages, stages all (timm's EfficientNet,
+    MobileNetV3 and GhostNet ``blocks``, its ByobNet ``stages``), or a module
+    holding two or more stages as numbered attributes of one name
+    (torchvision's and timm's ResNet: ``layer1`` to ``layer4``; timm's RegNet:
+    ``s1`` to ``s4``)."""
+    members = module._modules
+    if isinstance(module, _CONTAINERS):
+        return len(members) >= 2 and all(map(_is_stage, members.values()))
+    prefixes = [
+        found.group(1)
+        for name, m in members.items()
+        if _is_stage(m) and (found := _NUMBERED.fullmatch(name))
+    ]
+    return len(prefixes) > len(set(prefixes))
+
+
+def _is_stage(module: nn.Module | None) -> bool:
+    """A container, or a module holding its blocks as numbered attributes."""
+    return isinstance(module, _CONTAINERS) or (
+        module is not None and _numbered_blocks(module, least=1)
     )
 
 
@@ -501,11 +515,11 @@ def _is_lone_block(module: nn.Module, bodies: AbstractSet[int]) -> bool:
 
 
 def _one_block(module: nn.Module) -> bool:
-    """A container of one block (a module with submodules, not a container:
-    a stage holding a stack is the stack's)."""
+    """A stage of one block (a module with submodules, not a container: a
+    stage holding a stack is the stack's)."""
     blocks = list(module._modules.values())
     return (
-        isinstance(module, _CONTAINERS)
+        _is_stage(module)
         and len(blocks) == 1
         and bool(getattr(blocks[0], "_modules", None))
         and not isinstance(blocks[0], _CONTAINERS)
