@@ -410,11 +410,10 @@ class UnderReplacement(nn.Module):
 
 def checkpoint_vision(model: nn.Module, options: dict[str, Any]) -> nn.Module:
     """``checkpoint_blocks``; where it finds no stack of repeated blocks and
-    says so (MobileNetV2, VGG and DenseNet ``features`` mix classes), the
-    ``features`` trunk as one ``CheckpointedSequential``, as its warning
-    suggests; failing that, a timm model's own ``set_grad_checkpointing()``
-    under ``replace_torch_checkpoint`` (timm's RegNet stages hold their blocks
-    as attributes, not in a Sequential)."""
+    says so (VGG's ``features`` mix single layers), the ``features`` trunk as
+    one ``CheckpointedSequential``, as its warning suggests; failing that, a
+    timm model's own ``set_grad_checkpointing()`` under
+    ``replace_torch_checkpoint``."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         seqckpt.checkpoint_blocks(model, **options)
