@@ -440,7 +440,6 @@ def _numbered_blocks(module: nn.Module, least: int = 2) -> bool:
     if (
         isinstance(module, _CONTAINERS)
         or len(members) < least
-        or not members
         or next(module.parameters(recurse=False), None) is not None
     ):
         return False

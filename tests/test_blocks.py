@@ -9,7 +9,7 @@ import functools
 import pickle
 import runpy
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,16 @@ import seqckpt
 from seqckpt import CheckpointedForward, CheckpointedSequential
 from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
+
+
+def assert_blocks_match_plain(make: Callable[[], nn.Module]) -> None:
+    """``checkpoint_blocks`` on a model from ``make`` trains bitwise like the
+    plain model, on a batch of 8 rows of 6."""
+    assert_matches_plain(
+        make,
+        torch.randn(8, 6, requires_grad=True),
+        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
+    )
 
 
 class Block(nn.Module):
@@ -352,11 +362,7 @@ def test_a_sequential_of_blocks_of_several_classes_is_a_stack() -> None:
     assert [(i.start, i.stop) for i in model.segments.items] == [
         (i, i + 1) for i in range(4)
     ]
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
     layers = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6))  # layers, not blocks
     with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
         seqckpt.checkpoint_blocks(layers)
@@ -377,11 +383,7 @@ def test_a_stage_of_one_block_beside_stages_of_several_is_taken() -> None:
     model = seqckpt.checkpoint_blocks(make())
     assert all(type(stage) is CheckpointedSequential for stage in model)
     assert [len(stage.segments.items) for stage in model] == [1, 2, 1]
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
     # with a segment count, as checkpoint_sequential: one block has no segment
     model = seqckpt.checkpoint_blocks(make(), segments=2)
     assert [type(stage) for stage in model] == [
@@ -439,11 +441,7 @@ def test_module_dicts_and_container_subclasses_are_stacks() -> None:
     assert type(dense) is DenseStage and type(stage) is AnyStage  # kept in place
     for block in [*dense.values(), *stage]:
         assert isinstance(block.__dict__["forward"], CheckpointedForward)
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
     heads = nn.ModuleDict({"a": nn.Linear(6, 2), "b": nn.Linear(6, 2)})  # not a chain
     with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
         seqckpt.checkpoint_blocks(heads)
@@ -571,11 +569,7 @@ def test_a_stack_inside_a_few_of_the_blocks_leaves_the_blocks_the_stack() -> Non
     model = seqckpt.checkpoint_blocks(make())
     assert type(model) is CheckpointedSequential
     assert type(model[3].layer) is nn.Sequential  # the block's own layers
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
     # in most of the blocks, the inner stacks are the stacks (as before)
     inner = seqckpt.checkpoint_blocks(
         nn.Sequential(Bottleneck(), Bottleneck(), Block())
@@ -597,11 +591,7 @@ def test_a_stage_of_one_block_with_a_stack_inside_is_the_region() -> None:
     model = seqckpt.checkpoint_blocks(make())
     assert [type(stage) for stage in model] == [CheckpointedSequential] * 2
     assert type(model[0][0].layer) is nn.Sequential
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
 
 
 class RegStage(nn.Module):
@@ -644,11 +634,7 @@ def test_numbered_blocks_held_as_attributes_are_a_stack() -> None:
         for stage in (model[0], model[2])
         for b in stage.children()
     )
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
     # a block's numbered layers do not stop its own stack from being taken
     blocks = seqckpt.checkpoint_blocks(nn.Sequential(TwoConvs(), TwoConvs()))
     assert type(blocks) is CheckpointedSequential
@@ -672,11 +658,7 @@ def test_a_trunk_of_blocks_between_single_layers_is_a_stack() -> None:
     model = seqckpt.checkpoint_blocks(make())
     assert type(model[0]) is CheckpointedSequential
     assert len(model[0].segments.items) == 6
-    assert_matches_plain(
-        make,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(make)
     # inside a stack of blocks such a list is a block's own layers
     stack = seqckpt.checkpoint_blocks(nn.Sequential(trunk(), trunk()))
     assert type(stack) is CheckpointedSequential
@@ -707,11 +689,7 @@ def test_numbered_stages_of_one_block_are_taken() -> None:
     assert type(model.layer1) is CheckpointedSequential
     assert type(model.layer2) is CheckpointedSequential
     assert isinstance(model.s1.b1.__dict__["forward"], CheckpointedForward)
-    assert_matches_plain(
-        NumberedStages,
-        torch.randn(8, 6, requires_grad=True),
-        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
-    )
+    assert_blocks_match_plain(NumberedStages)
 
 
 class LoopedStage(nn.Module):
