@@ -115,8 +115,8 @@ def checkpoint_blocks(
     children are two or more modules of one class (blocks, for a dict), or
     two or more blocks (modules with submodules) of several classes (a hybrid
     stack: Jamba's Mamba and attention layers, MobileNetV2's ``features``); a
-    list of routed experts (an ``nn.ModuleList`` named ``experts`` or the
-    like) is not one. Where no stack encloses them, two more kinds count:
+    list of routed experts or parallel paths (an ``nn.ModuleList`` named
+    ``experts``, ``paths`` or the like) is not one. Where no stack encloses them, two more kinds count:
     blocks of one class held as numbered attributes (``b1``, ``b2``, ...:
     timm's RegNet stages) by a module with nothing else, and an
     ``nn.Sequential`` or ``nn.ModuleList`` of blocks with single layers
@@ -398,22 +398,29 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
     Mamba and attention layers, MobileNetV2's ``features``). An
     ``nn.ModuleDict`` holds blocks only (a dict of single layers is a set of
     heads or adapters, not a chain).
-    Not a list of routed experts (a list or dict whose name, ``name`` being
-    where its parent holds it, holds "expert": ``experts``, ``local_experts``,
-    as mixture-of-experts layers name it): a token goes to a few of them, and
-    the layer holding them is the block."""
+    Not a list of modules run side by side (a list or dict whose name,
+    ``name`` being where its parent holds it, says so: routed ``experts``,
+    ``local_experts`` as mixture-of-experts layers name them, of which a
+    token goes to a few; parallel ``paths`` of one input, as SKNet's
+    selective kernels): the layer holding them is the block. (HRNet's
+    ``branches`` stay a stack: taking each branch whole as a region keeps
+    fewer tensors there than a region per block.)"""
     if not isinstance(module, _CONTAINERS):
         return False
     members = list(module._modules.values())  # a shared block as often as it is there
     if len(members) < 2 or any(m is None for m in members):
         return False
-    if not isinstance(module, nn.Sequential) and (
-        "expert" in name.rpartition(".")[2].lower()
+    if not isinstance(module, nn.Sequential) and any(
+        word in name.rpartition(".")[2].lower() for word in _SIDE_BY_SIDE
     ):
         return False
     if len({type(m) for m in members}) == 1 and not isinstance(module, nn.ModuleDict):
         return True
     return all(m._modules for m in members)  # type: ignore[union-attr]
+
+
+# Words in the name of a list or dict of modules that run side by side
+_SIDE_BY_SIDE = ("expert", "path")
 
 
 def _blocks_between_layers(module: nn.Module) -> bool:
