@@ -386,6 +386,11 @@ def _checkpoints_itself(module: nn.Module) -> bool:
     )
 
 
+def _is_block(module: nn.Module | None) -> bool:
+    """A module holding submodules: a block, not a single layer."""
+    return module is not None and bool(module._modules)
+
+
 # The containers a stack (and a stage of stacks) is held in, their subclasses
 # too (torchvision's RegNet stages and DenseNet blocks, timm's DenseNet blocks)
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -416,7 +421,7 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
         return False
     if len({type(m) for m in members}) == 1 and not isinstance(module, nn.ModuleDict):
         return True
-    return all(m._modules for m in members)  # type: ignore[union-attr]
+    return all(map(_is_block, members))
 
 
 # Words in the name of a list or dict of modules that run side by side
@@ -432,7 +437,7 @@ def _blocks_between_layers(module: nn.Module) -> bool:
     if type(module) not in (nn.Sequential, nn.ModuleList):
         return False
     members = list(module._modules.values())
-    blocks = sum(1 for m in members if m is not None and m._modules)
+    blocks = sum(map(_is_block, members))
     return blocks >= 2 and 2 * blocks >= len(members) and None not in members
 
 
@@ -451,7 +456,7 @@ def _numbered_blocks(module: nn.Module, least: int = 2) -> bool:
     ):
         return False
     kind = type(members[0])
-    if issubclass(kind, _CONTAINERS) or not members[0]._modules:  # type: ignore[union-attr]
+    if issubclass(kind, _CONTAINERS) or not _is_block(members[0]):
         return False
     if any(type(m) is not kind for m in members):
         return False
@@ -486,7 +491,7 @@ def _checkpointed(module: nn.Module) -> bool:
 def _holds_blocks(module: nn.Module, name: str = "") -> bool:
     """A stack whose modules hold submodules: blocks, not single layers."""
     blocks = module._modules.values()
-    return _is_stack(module, name) and any(b._modules for b in blocks)  # type: ignore[union-attr]
+    return _is_stack(module, name) and any(map(_is_block, blocks))
 
 
 def _holds_stages(module: nn.Module) -> bool:
@@ -527,7 +532,7 @@ def _one_block(module: nn.Module) -> bool:
     return (
         _is_stage(module)
         and len(blocks) == 1
-        and bool(getattr(blocks[0], "_modules", None))
+        and _is_block(blocks[0])
         and not isinstance(blocks[0], _CONTAINERS)
     )
 
