@@ -20,7 +20,7 @@ import re
 import warnings
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -118,12 +118,16 @@ def checkpoint_blocks(
     list of routed experts or parallel paths (an ``nn.ModuleList`` named
     ``experts``, ``paths`` or the like) is not one. Where no stack encloses them, two more kinds count:
     blocks of one class held as numbered attributes (``b1``, ``b2``, ...:
-    timm's RegNet stages) by a module with nothing else, and an
-    ``nn.Sequential`` or ``nn.ModuleList`` of blocks with single layers
-    between them, no fewer blocks than layers (SqueezeNet's and DPN's
-    ``features``; inside a block such a list is the block's own layers). Only the
-    innermost stacks are taken (a stack holding stacks, such as ConvNeXt's
-    ``stages``, stays as it is), so checkpoints do not nest; where stacks nest
+    timm's RegNet stages; beside other attributes, blocks of two weight
+    layers or more: GoogLeNet's ``inception3a`` ..., DLA's ``tree1`` and
+    ``tree2``), and an ``nn.Sequential`` or ``nn.ModuleList`` of blocks with
+    single layers between them, no fewer blocks than layers (SqueezeNet's,
+    DPN's and S3D's ``features``; inside a block such a list is the block's
+    own layers). Only the innermost stacks are taken (a stack holding
+    stacks, such as ConvNeXt's ``stages``, stays as it is), so checkpoints
+    do not nest; a stack of three weight layers or fewer inside a block
+    (an Inception block's two-convolution branches) is the block's own
+    layers, not a stack of its own; where stacks nest
     three deep (HF's ResNet: stages, each a stack of blocks, each block
     running its layers as a stack) the middle one is taken, the innermost
     being a block's own layers. Among stages (a container of such containers,
@@ -230,27 +234,38 @@ def checkpoint_blocks(
         for inner in m.modules()
         if inner is not m
     }
+    singles: list[nn.Module] = []  # blocks held as numbered attributes
     for parent in model.modules():
         stages = segments is None and _holds_stages(parent)
+        numbered = _numbered_children(parent)
         for name, child in parent.named_children():
+            single = name in numbered and _holds_no_numbered(child, bodies)
             if id(child) in covered or not (
-                _is_innermost_stack(child, name, bodies)
+                single
+                or _is_innermost_stack(child, name, bodies)
                 or (stages and _is_lone_block(child, bodies))
-                or (
-                    (_numbered_blocks(child) or _blocks_between_layers(child))
-                    and _nothing_inside(child, bodies)
-                )
+                or (_blocks_between_layers(child) and _nothing_inside(child, bodies))
             ):
                 continue
             covered.update(id(inner) for inner in child.modules() if inner is not child)
-            if _swappable(child):
+            if single:
+                singles.append(child)
+            elif _swappable(child):
                 assert isinstance(child, nn.Sequential)
                 sequentials.append((parent, name, child))
             else:
                 lists.append(child)
+    # A module taken and also inside one taken after it (shared between them:
+    # CoaT's position encodings, held by the model and by its blocks) would
+    # nest: the enclosing one is kept.
+    sequentials = [s for s in sequentials if id(s[2]) not in covered]
+    lists = [m for m in lists if id(m) not in covered]
+    singles = [m for m in singles if id(m) not in covered]
     if innermost:
         lists.append(model)  # its blocks are what changes
-    if not sequentials and not lists and not any(map(_checkpointed, model.modules())):
+    if not (sequentials or lists or singles) and not any(
+        map(_checkpointed, model.modules())
+    ):
         warnings.warn(
             f"seqckpt: checkpoint_blocks found no stack of repeated blocks (an "
             f"nn.Sequential, nn.ModuleList or nn.ModuleDict of two or more modules "
@@ -270,7 +285,7 @@ def checkpoint_blocks(
             stacklevel=2,
         )
     own = next((m for m in model.modules() if _checkpoints_itself(m)), None)
-    if own is not None and (sequentials or lists):
+    if own is not None and (sequentials or lists or singles):
         warnings.warn(
             f"seqckpt: {type(own).__name__} in {type(model).__name__} has its own "
             "checkpointing on (the gradient_checkpointing flag of HF transformers "
@@ -293,6 +308,8 @@ def checkpoint_blocks(
         for member in looped._modules.values():
             assert member is not None
             _give_checkpointed_forward(member, block_options, in_sequential=False)
+    for block in singles:
+        _give_checkpointed_forward(block, block_options, in_sequential=False)
     return model
 
 
@@ -386,7 +403,7 @@ def _checkpoints_itself(module: nn.Module) -> bool:
     )
 
 
-def _is_block(module: nn.Module | None) -> bool:
+def _is_block(module: nn.Module | None) -> TypeGuard[nn.Module]:
     """A module holding submodules: a block, not a single layer."""
     return module is not None and bool(module._modules)
 
@@ -470,7 +487,43 @@ def _numbered_blocks(module: nn.Module, least: int = 2) -> bool:
     )
 
 
-_NUMBERED = re.compile(r"([A-Za-z_]+?)_?(\d+)")
+def _numbered_children(module: nn.Module) -> set[str]:
+    """The names of the blocks ``module`` holds as numbered attributes, two
+    or more of one class under one name: ``inception3a`` to ``inception5b``
+    (GoogLeNet), ``Mixed_5b`` ... (InceptionV3, a group per block class),
+    ``tree1``, ``tree2`` (DLA), or, where ``module`` holds nothing else,
+    ``b1``, ``b2``, ... (timm's RegNet stages, which loop over
+    ``self.children()``). Beside other attributes a block needs two weight
+    layers or more: a stem's ``conv1``, ``conv2`` (a convolution and its norm
+    each) and a ``bn1``, ``bn2`` with an activation inside are a module's own
+    layers."""
+    if _numbered_blocks(module):
+        return set(module._modules)
+    if isinstance(module, _CONTAINERS):
+        return set()
+    groups: dict[tuple[type, str], list[str]] = {}
+    for name, m in module._modules.items():
+        found = _NUMBERED.fullmatch(name)
+        if (
+            found
+            and _is_block(m)
+            and not isinstance(m, _CONTAINERS)
+            and _weight_layers(m) >= 2
+        ):
+            groups.setdefault((type(m), found.group(1)), []).append(name)
+    return {name for names in groups.values() if len(names) >= 2 for name in names}
+
+
+def _holds_no_numbered(module: nn.Module, bodies: AbstractSet[int]) -> bool:
+    """A numbered block that holds no stack of blocks and no numbered blocks
+    of its own (timm's RegNet stages hold ``b1``, ``b2``, ...; DLA's trees
+    hold trees): taking it nests no checkpoint, and no smaller blocks are
+    there to take instead (those are taken, at the next level down)."""
+    return _nothing_inside(module, bodies) and not _numbered_children(module)
+
+
+# a name, a number and at most one letter: b1, layer4, inception3a, Mixed_5b
+_NUMBERED = re.compile(r"([A-Za-z_]+?)_?(\d+)[a-z]?")
 
 
 def _swappable(stack: nn.Module) -> bool:
@@ -551,6 +604,12 @@ def _block_bodies(model: nn.Module) -> set[int]:
       others as layers and activations): the outer stack is the stack of
       blocks there. Not for a stack of stages (containers), whose stages of
       one block hold no stack.
+    - a stack of blocks with three weight layers or fewer in all, held by a
+      block or among the single layers of a trunk: a block's few
+      convolutions (the two-convolution branches of an Inception block, S3D's
+      separable convolutions), not a stack of blocks of its own (the
+      smallest of those, two residual blocks, hold four). Where nothing
+      enclosing it is taken, it still is.
     """
     bodies: set[int] = set()
 
@@ -580,7 +639,28 @@ def _block_bodies(model: nn.Module) -> set[int]:
         return stack or bool(holding)
 
     walk(model, "", 0, False)
+    for parent in model.modules():
+        members = parent._modules.values()
+        if isinstance(parent, _CONTAINERS) and all(map(_is_block, members)):
+            continue  # a stack of stacks: ConvNeXt's stages, however small
+        for name, small in parent.named_children():
+            if _holds_blocks(small, name) and _weight_layers(small) <= 3:
+                bodies.update(map(id, small.modules()))  # with the stacks inside
     return bodies
+
+
+def _weight_layers(module: nn.Module) -> int:
+    """How many modules in ``module`` hold a weight matrix (a parameter of two
+    or more dimensions, or one not initialized yet): its convolutions, linear
+    layers and embeddings, not its norms."""
+    return sum(
+        any(
+            isinstance(p, nn.parameter.UninitializedParameter) or p.dim() >= 2
+            for p in m._parameters.values()
+            if p is not None
+        )
+        for m in module.modules()
+    )
 
 
 def _is_innermost_stack(
