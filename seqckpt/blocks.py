@@ -305,9 +305,16 @@ def checkpoint_blocks(
         for block in stack:
             _give_checkpointed_forward(block, block_options, in_sequential=True)
     for looped in lists:
+        # every module of a stack; elsewhere (a trunk of blocks with single
+        # layers between them, a stage of one block) the blocks: a single
+        # layer as a region saves little or adds (an activation's region keeps
+        # its input, the next block's its output), and one that writes into
+        # its input (nn.ReLU(inplace=True)) cannot be one
+        every = _is_stack(looped)
         for member in looped._modules.values():
             assert member is not None
-            _give_checkpointed_forward(member, block_options, in_sequential=False)
+            if every or _is_block(member):
+                _give_checkpointed_forward(member, block_options, in_sequential=False)
     for block in singles:
         _give_checkpointed_forward(block, block_options, in_sequential=False)
     return model
@@ -446,12 +453,13 @@ _SIDE_BY_SIDE = ("expert", "path")
 
 
 def _blocks_between_layers(module: nn.Module) -> bool:
-    """An ``nn.Sequential`` or ``nn.ModuleList`` of two or more blocks with
-    single layers between them, as many blocks as layers or more: a trunk
-    (SqueezeNet's fire modules between pooling layers, DPN's blocks). Taken
-    where no stack encloses it and it holds none: inside a block such a list
-    is the block's own layers (MobileNetV2's convolutions and norms)."""
-    if type(module) not in (nn.Sequential, nn.ModuleList):
+    """An ``nn.Sequential`` or ``nn.ModuleList`` (or a subclass: torchvision's
+    detection heads, timm's stems) of two or more blocks with single layers
+    between them, as many blocks as layers or more: a trunk (SqueezeNet's
+    fire modules between pooling layers, DPN's blocks). Taken where no stack
+    encloses it and it holds none: inside a block such a list is the block's
+    own layers (MobileNetV2's convolutions and norms)."""
+    if not isinstance(module, (nn.Sequential, nn.ModuleList)):
         return False
     members = list(module._modules.values())
     blocks = sum(map(_is_block, members))
