@@ -470,9 +470,8 @@ def _numbered_blocks(module: nn.Module, least: int = 2) -> bool:
     """A module (no container) holding as its attributes only ``least`` or
     more blocks of one class, named as numbered (``b1``, ``b2``, ...), and no
     parameter of its own: timm's RegNet stages, which loop over
-    ``self.children()``. It is taken where no stack encloses it and it holds
-    none (a module's layers named ``conv1``, ``conv2`` never stop its own
-    stack from being taken); its blocks are made regions in place."""
+    ``self.children()``: a stage (see :func:`_is_stage`), whose blocks are
+    taken one by one (:func:`_numbered_children`), whatever their size."""
     members = list(module._modules.values())
     if (
         isinstance(module, _CONTAINERS)

@@ -660,53 +660,6 @@ def test_numbered_blocks_held_as_attributes_are_a_stack() -> None:
     assert not any("forward" in m.__dict__ for b in blocks for m in b.children())
 
 
-def test_a_trunk_of_blocks_between_single_layers_is_a_stack() -> None:
-    # SqueezeNet's features and DPN's: blocks with pooling layers between
-    # them were no stack, so nothing was checkpointed (squeezenet1_0 at
-    # 128x128, batch 2: 20.66 -> 20.66 MiB; now 11.64; timm's dpn68 at
-    # 224x224: 183.04 -> 183.04; now 43.13, timm's own route 44.6)
-    def trunk() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(
-            nn.Linear(6, 6), Block(), Block(), nn.Tanh(), Block(), nn.Dropout(0.1)
-        )
-
-    def make() -> nn.Sequential:
-        return nn.Sequential(trunk(), nn.Linear(6, 2))
-
-    model = seqckpt.checkpoint_blocks(make())
-    assert type(model[0]) is CheckpointedSequential
-    assert len(model[0].segments.items) == 6
-    assert_blocks_match_plain(make)
-    # inside a stack of blocks such a list is a block's own layers
-    stack = seqckpt.checkpoint_blocks(nn.Sequential(trunk(), trunk()))
-    assert type(stack) is CheckpointedSequential
-    assert all(type(t) is nn.Sequential for t in stack)
-
-
-class ConvHead(nn.Sequential):
-    """torchvision's FastRCNNConvFCHead: an nn.Sequential subclass of conv
-    blocks, a flatten and a linear layer, and an in-place ReLU."""
-
-
-def test_a_trunk_of_a_sequential_subclass_makes_its_blocks_regions() -> None:
-    # the box head of torchvision's v2 R-CNNs was not taken (a subclass);
-    # taken, its blocks are the regions (its in-place ReLU cannot be one)
-    # (fasterrcnn_resnet50_fpn_v2, two 128x128 images: 612.74 -> 573.55 MiB;
-    # now 422.55)
-    def make() -> nn.Sequential:
-        torch.manual_seed(0)
-        head = ConvHead(Block(), Block(), nn.Linear(6, 6), nn.ReLU(inplace=True))
-        return nn.Sequential(head, nn.Linear(6, 2))
-
-    model = seqckpt.checkpoint_blocks(make())
-    head = model[0]
-    assert type(head) is ConvHead
-    assert all(isinstance(b.__dict__["forward"], CheckpointedForward) for b in head[:2])
-    assert not any("forward" in layer.__dict__ for layer in head[2:])
-    assert_blocks_match_plain(make)
-
-
 class NumberedStages(nn.Module):
     """timm's ResNet and RegNet hold their stages as numbered attributes
     (``layer1`` ..., ``s1`` ...), the first of one block in small models."""
@@ -781,28 +734,71 @@ def test_numbered_blocks_beside_other_attributes_are_taken() -> None:
     assert_blocks_match_plain(GoogLeNetLike)
 
 
-def test_a_trunk_whose_blocks_hold_small_stacks_is_the_stack() -> None:
-    # S3D's features: separable convolutions (two layers as a stack) and
-    # Inception blocks between pooling layers; the small stacks were taken,
-    # the blocks' other layers left plain (torchvision s3d, 16 frames of
-    # 224x224, batch 1: 459.23 -> 301.39 MiB; now 196.00)
-    def trunk() -> nn.Sequential:
-        torch.manual_seed(0)
-        return nn.Sequential(
-            nn.Sequential(ConvLayer(), ConvLayer()),
-            nn.Tanh(),
-            Inception(),
-            Inception(),
-            nn.Dropout(0.1),
-            Inception(),
-        )
+def blocks_trunk() -> nn.Sequential:
+    """SqueezeNet's and DPN's features: blocks with single layers between."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 6), Block(), Block(), nn.Tanh(), Block(), nn.Dropout(0.1)
+    )
 
+
+def inception_trunk() -> nn.Sequential:
+    """S3D's features: Inception blocks and a separable convolution (two
+    layers as a stack) between single layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(ConvLayer(), ConvLayer()),
+        nn.Tanh(),
+        Inception(),
+        Inception(),
+        nn.Dropout(0.1),
+        Inception(),
+    )
+
+
+@pytest.mark.parametrize("trunk", [blocks_trunk, inception_trunk])
+def test_a_trunk_of_blocks_between_single_layers_is_a_stack(
+    trunk: Callable[[], nn.Sequential],
+) -> None:
+    # Such trunks were no stack, so nothing was checkpointed (squeezenet1_0 at
+    # 128x128, batch 2: 20.66 -> 20.66 MiB; now 11.64; timm's dpn68 at
+    # 224x224: 183.04 -> 183.04; now 43.13, timm's own route 44.6); where
+    # blocks hold small stacks, those were taken and the blocks' other layers
+    # left plain (torchvision s3d, 16 frames of 224x224, batch 1: 459.23 ->
+    # 301.39 MiB; now 196.00)
     def make() -> nn.Sequential:
         return nn.Sequential(trunk(), nn.Linear(6, 2))
 
     model = seqckpt.checkpoint_blocks(make())
     assert type(model[0]) is CheckpointedSequential
     assert len(model[0].segments.items) == 6
+    assert_blocks_match_plain(make)
+    # inside a stack of blocks such a list is a block's own layers
+    stack = seqckpt.checkpoint_blocks(nn.Sequential(trunk(), trunk()))
+    assert type(stack) is CheckpointedSequential
+    assert all(type(t) is nn.Sequential for t in stack)
+
+
+class ConvHead(nn.Sequential):
+    """torchvision's FastRCNNConvFCHead: an nn.Sequential subclass of conv
+    blocks, a flatten and a linear layer, and an in-place ReLU."""
+
+
+def test_a_trunk_of_a_sequential_subclass_makes_its_blocks_regions() -> None:
+    # the box head of torchvision's v2 R-CNNs was not taken (a subclass);
+    # taken, its blocks are the regions (its in-place ReLU cannot be one)
+    # (fasterrcnn_resnet50_fpn_v2, two 128x128 images: 612.74 -> 573.55 MiB;
+    # now 422.55)
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        head = ConvHead(Block(), Block(), nn.Linear(6, 6), nn.ReLU(inplace=True))
+        return nn.Sequential(head, nn.Linear(6, 2))
+
+    model = seqckpt.checkpoint_blocks(make())
+    head = model[0]
+    assert type(head) is ConvHead
+    assert all(isinstance(b.__dict__["forward"], CheckpointedForward) for b in head[:2])
+    assert not any("forward" in layer.__dict__ for layer in head[2:])
     assert_blocks_match_plain(make)
 
 
