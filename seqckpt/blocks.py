@@ -523,10 +523,15 @@ def _numbered_children(module: nn.Module) -> set[str]:
 
 def _holds_no_numbered(module: nn.Module, bodies: AbstractSet[int]) -> bool:
     """A numbered block that holds no stack of blocks and no numbered blocks
-    of its own (timm's RegNet stages hold ``b1``, ``b2``, ...; DLA's trees
-    hold trees): taking it nests no checkpoint, and no smaller blocks are
-    there to take instead (those are taken, at the next level down)."""
-    return _nothing_inside(module, bodies) and not _numbered_children(module)
+    of its own and is no stage (timm's RegNet stages hold ``b1``, ``b2``,
+    ...; DLA's trees hold trees): taking it nests no checkpoint, and no
+    smaller blocks are there to take instead (those are taken, at the next
+    level down; a stage's one block as a lone block)."""
+    return (
+        _nothing_inside(module, bodies)
+        and not _numbered_children(module)
+        and not _is_stage(module)
+    )
 
 
 # a name, a number and at most one letter: b1, layer4, inception3a, Mixed_5b

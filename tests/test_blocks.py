@@ -616,10 +616,10 @@ def test_a_stage_of_one_block_with_a_stack_inside_is_the_region() -> None:
 class RegStage(nn.Module):
     """timm's RegNet stage: blocks held as numbered attributes, looped over."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, block: type[nn.Module] = Block) -> None:
         super().__init__()
         for i in range(depth):
-            self.add_module(f"b{i + 1}", Block())
+            self.add_module(f"b{i + 1}", block())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.children():
@@ -664,27 +664,31 @@ class NumberedStages(nn.Module):
     """timm's ResNet and RegNet hold their stages as numbered attributes
     (``layer1`` ..., ``s1`` ...), the first of one block in small models."""
 
-    def __init__(self) -> None:
+    def __init__(self, block: type[nn.Module] = Block) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.stem = nn.Linear(6, 6)
-        self.layer1, self.layer2 = nn.Sequential(Block()), nn.Sequential(Block())
-        self.s1, self.s2 = RegStage(1), RegStage(2)
+        self.layer1, self.layer2 = nn.Sequential(block()), nn.Sequential(block())
+        self.s1, self.s2 = RegStage(1, block), RegStage(2, block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.s2(self.s1(self.layer2(self.layer1(self.stem(x)))))
 
 
-def test_numbered_stages_of_one_block_are_taken() -> None:
+@pytest.mark.parametrize("block", [Block, Bottleneck])
+def test_numbered_stages_of_one_block_are_taken(block: type[nn.Module]) -> None:
     # timm's resnest14d (one block per stage) and the first stages of its
     # regnety_002 were left plain (resnest14d at 224x224, batch 2: 124.28 ->
     # 124.28 MiB, now 75.06; regnety_002 at 96x96 7.01 -> 4.59, now 3.38 as
     # with timm's own route)
-    model = seqckpt.checkpoint_blocks(NumberedStages())
+    # (with blocks of three weight layers the stages are numbered blocks of
+    # the model too: a stage's block is the region all the same)
+    model = seqckpt.checkpoint_blocks(NumberedStages(block))
     assert type(model.layer1) is CheckpointedSequential
     assert type(model.layer2) is CheckpointedSequential
     assert isinstance(model.s1.b1.__dict__["forward"], CheckpointedForward)
-    assert_blocks_match_plain(NumberedStages)
+    assert "forward" not in model.s1.__dict__
+    assert_blocks_match_plain(functools.partial(NumberedStages, block))
 
 
 class Inception(nn.Module):
