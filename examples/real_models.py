@@ -132,6 +132,17 @@ def check_torchvision() -> dict[str, tuple[int, int]]:
     found["densenet121"] = compare(
         build, torch.randn(2, 3, 64, 64), seqckpt.checkpoint_blocks
     )
+    # Its Inception blocks are attributes of the model (inception3a, ...),
+    # each running its branches side by side: each block a region.
+    build = functools.partial(
+        torchvision.models.googlenet,
+        num_classes=10,
+        aux_logits=False,
+        init_weights=True,
+    )
+    found["googlenet"] = compare(
+        build, torch.randn(2, 3, 96, 96), seqckpt.checkpoint_blocks
+    )
     return found
 
 
