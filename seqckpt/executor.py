@@ -79,12 +79,15 @@ def resolve_plan(
 
 
 def each_item_plan(
-    chain: Sequence[Callable[[Any], Any]], policy: Policy | None = None
+    chain: Sequence[Callable[[Any], Any]],
+    policy: Policy | None = None,
+    joins: Callable[[object], bool] | None = None,
 ) -> Plan:
     """Every item of ``chain`` checkpointed on its own, the last too (timm's
     ``checkpoint_seq`` and HF's per-layer checkpointing), each keeping what
     ``policy`` selects; an item that writes into its input joins the one
-    before it, as in :func:`resolve_plan`.
+    before it, as in :func:`resolve_plan`, and so does one for which
+    ``joins`` is true.
 
     Example:
         >>> import torch
@@ -94,7 +97,11 @@ def each_item_plan(
             keep 0-1
     """
     n = len(chain)
-    return uniform_plan(n, n, lambda i: _writes_its_input(chain[i]), policy, False)
+
+    def blocked(i: int) -> bool:
+        return _writes_its_input(chain[i]) or (joins is not None and joins(chain[i]))
+
+    return uniform_plan(n, n, blocked, policy, False)
 
 
 def _writes_its_input(item: object) -> bool:
