@@ -139,7 +139,10 @@ def checkpoint_blocks(
 
     - ``nn.Sequential`` stacks (torchvision's ResNet stages, timm's ViT
       ``blocks``) become :class:`CheckpointedSequential` s over their blocks,
-      every block its own segment unless ``segments`` says otherwise.
+      every block its own segment unless ``segments`` says otherwise (a
+      layer without parameters between blocks, a pooling layer or an
+      activation, runs in the segment before it; in a container subclass
+      kept in place, single layers run plainly).
     - ``nn.ModuleList`` and ``nn.ModuleDict`` stacks and container
       subclasses (nanoGPT's ``transformer.h``, torchvision's MaxViT
       ``layers``, DenseNet's blocks) are looped over by the parent's forward
