@@ -241,11 +241,15 @@ def checkpoint_blocks(
     }
     singles: list[nn.Module] = []  # blocks held as numbered attributes
     for parent in model.modules():
+        if id(parent) in covered:
+            continue  # (and so are its children)
         stages = segments is None and _holds_stages(parent)
         numbered = _numbered_children(parent)
         for name, child in parent.named_children():
+            if id(child) in covered:
+                continue
             single = name in numbered and _holds_no_numbered(child, bodies)
-            if id(child) in covered or not (
+            if not (
                 single
                 or _is_innermost_stack(child, name, bodies)
                 or (stages and _is_lone_block(child, bodies))
