@@ -20,9 +20,16 @@ def tanh_chain(n: int = 6) -> nn.Sequential:
     )
 
 
-def recording_backend(graphs: dict[str, list[torch.fx.GraphModule]]) -> Any:
-    """An AOTAutograd backend that keeps the forward and backward graphs."""
+def recording_backend(
+    graphs: dict[str, list[torch.fx.GraphModule]], partitioned: bool = False
+) -> Any:
+    """An AOTAutograd backend that keeps the forward and backward graphs.
+    ``partitioned``: split them as torch's own backends do (min-cut, input
+    mutations kept in the graph); AOTAutograd's default split fails with "a
+    variable needed for gradient computation has been modified by an inplace
+    operation" on checkpointed BatchNorm layers, torch's checkpoint too."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def keep(kind: str) -> Any:
         def compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
@@ -31,7 +38,14 @@ def recording_backend(graphs: dict[str, list[torch.fx.GraphModule]]) -> Any:
 
         return compiler
 
-    return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    if not partitioned:
+        return aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"))
+    return aot_autograd(
+        fw_compiler=keep("forward"),
+        bw_compiler=keep("backward"),
+        partition_fn=min_cut_rematerialization_partition,
+        keep_inference_input_mutations=True,
+    )
 
 
 def count(gm: torch.fx.GraphModule, op: Any) -> int:
@@ -468,3 +482,64 @@ def test_a_compiled_module_beside_a_large_buffer_compiles() -> None:
     torch._dynamo.reset()  # (earlier tests' compiles count toward its limits)
     x = torch.randn(2, 16, 8, requires_grad=True)
     assert_matches_plain(make, x, lambda m, t: seqckpt.checkpoint(m, t))
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+def _small_resnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Sequential(_Residual(8), _Residual(8)),  # a stage: the stack taken
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+@pytest.mark.slow
+def test_compiled_checkpoint_blocks_model_with_batch_norm() -> None:
+    """A ResNet-shaped model after checkpoint_blocks (BatchNorm in training
+    mode, in-place ReLUs) compiles with fullgraph=True as it is called in
+    training scripts, and its gradients and running statistics are bitwise
+    those of the same model compiled without checkpointing, while its
+    compiled backward runs convolutions of the forward again."""
+    import seqckpt
+
+    results, convolutions = [], []
+    for checkpointed in (False, True):
+        model = _small_resnet().train()
+        if checkpointed:
+            seqckpt.checkpoint_blocks(model)
+            assert isinstance(model[3], CheckpointedSequential)
+        graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+        torch._dynamo.reset()
+        compiled = torch.compile(
+            model, fullgraph=True, backend=recording_backend(graphs, partitioned=True)
+        )
+        torch.manual_seed(1)
+        compiled(torch.randn(2, 3, 8, 8)).sum().backward()
+        results.append([p.grad for p in model.parameters()] + list(model.buffers()))
+        convolutions.append(
+            sum(
+                count(gm, torch.ops.aten.convolution.default)
+                for gm in graphs["backward"]
+            )
+        )
+    for plain, checkpointed in zip(*results, strict=True):
+        assert torch.equal(plain, checkpointed)
+    assert convolutions[0] == 0 and convolutions[1] >= 4  # the stage's four convs
