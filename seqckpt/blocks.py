@@ -116,14 +116,17 @@ def checkpoint_blocks(
     two or more blocks (modules with submodules) of several classes (a hybrid
     stack: Jamba's Mamba and attention layers, MobileNetV2's ``features``); a
     list of routed experts or parallel paths (an ``nn.ModuleList`` named
-    ``experts``, ``paths`` or the like) is not one. Where no stack encloses them, two more kinds count:
-    blocks of one class held as numbered attributes (``b1``, ``b2``, ...:
-    timm's RegNet stages; beside other attributes, blocks of two weight
-    layers or more: GoogLeNet's ``inception3a`` ..., DLA's ``tree1`` and
-    ``tree2``), and an ``nn.Sequential`` or ``nn.ModuleList`` of blocks with
-    single layers between them, no fewer blocks than layers (SqueezeNet's,
-    DPN's and S3D's ``features``; inside a block such a list is the block's
-    own layers). Only the innermost stacks are taken (a stack holding
+    ``experts``, ``paths`` or the like) is not one. Where no stack encloses
+    them, three more kinds count: blocks of one class held as numbered
+    attributes (``b1``, ``b2``, ...: timm's RegNet stages; beside other
+    attributes, blocks of two weight layers or more: GoogLeNet's
+    ``inception3a`` ..., DLA's ``tree1`` and ``tree2``); an ``nn.Sequential``
+    or ``nn.ModuleList`` of blocks with single layers between them, no fewer
+    blocks than layers (SqueezeNet's, DPN's and S3D's ``features``; inside a
+    block such a list is the block's own layers); and, unless ``segments``
+    is given, one of a single block of two weight layers or more, a stack
+    built one deep (an HF model with ``num_hidden_layers=1``, ALBERT's shared
+    layer group). Only the innermost stacks are taken (a stack holding
     stacks, such as ConvNeXt's ``stages``, stays as it is), so checkpoints
     do not nest; a stack of three weight layers or fewer inside a block
     (an Inception block's two-convolution branches) is the block's own
@@ -254,6 +257,11 @@ def checkpoint_blocks(
                 or _is_innermost_stack(child, name, bodies)
                 or (stages and _is_lone_block(child, bodies))
                 or (_blocks_between_layers(child) and _nothing_inside(child, bodies))
+                or (
+                    segments is None
+                    and _holds_one_block(child, name)
+                    and _nothing_inside(child, bodies)
+                )
             ):
                 continue
             covered.update(id(inner) for inner in child.modules() if inner is not child)
@@ -471,6 +479,28 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
 
 # Words in the name of a list or dict of modules that run side by side
 _SIDE_BY_SIDE = ("expert", "path")
+
+
+def _holds_one_block(module: nn.Module, name: str = "") -> bool:
+    """An ``nn.Sequential`` or ``nn.ModuleList`` (or a subclass) holding one
+    block of two weight layers or more: a stack of blocks built one deep (an
+    HF model with ``num_hidden_layers=1``, a diffusers transformer with one
+    double-stream block beside its single-stream ones), taken where nothing
+    encloses it and nothing is inside, unless ``segments`` is given. A list of
+    one downsampling convolution (diffusers' ``downsamplers``) is a layer."""
+    if not isinstance(module, (nn.Sequential, nn.ModuleList)):
+        return False
+    members = list(module._modules.values())
+    if len(members) != 1 or any(
+        word in name.rpartition(".")[2].lower() for word in _SIDE_BY_SIDE
+    ):
+        return False
+    block = members[0]
+    return (
+        _is_block(block)
+        and not isinstance(block, _CONTAINERS)
+        and _weight_layers(block) >= 2
+    )
 
 
 def _blocks_between_layers(module: nn.Module) -> bool:

@@ -205,6 +205,60 @@ def test_module_list_blocks_are_checkpointed_in_place() -> None:
     assert_matches_plain(LoopNet(), x, lambda m, t: seqckpt.checkpoint_blocks(m)(t))
 
 
+class Downsample(nn.Module):
+    """One strided convolution as a module of its own (diffusers' downsamplers
+    hold one in a list): a layer, not a block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class OneOf(nn.Module):
+    """A model whose list holds one module, under a name of its choosing."""
+
+    def __init__(self, name: str, member: nn.Module) -> None:
+        super().__init__()
+        self.name = name
+        self.add_module(name, nn.ModuleList([member]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for module in getattr(self, self.name):
+            x = module(x)
+        return x[0] if isinstance(x, tuple) else x
+
+
+def test_a_list_of_one_block_is_a_stack_built_one_deep() -> None:
+    # An HF model with num_hidden_layers=1, ALBERT's one shared layer group,
+    # a diffusers transformer with one double-stream block: before, nothing
+    # was checkpointed there ("found no stack"), while HF's and diffusers' own
+    # checkpointing took the block (diffusers' HunyuanVideo with one
+    # double-stream block, small config: 0.25 MiB, now 0.15 as its own route)
+    model = seqckpt.checkpoint_blocks(LoopNet(1))
+    assert isinstance(model.layers[0].__dict__.get("forward"), CheckpointedForward)
+    assert_matches_plain(
+        lambda: LoopNet(1),
+        torch.randn(8, 6, requires_grad=True),
+        lambda m, t: seqckpt.checkpoint_blocks(m)(t),
+    )
+    # not with a segment count (one block has no segment to checkpoint), nor
+    # a list of one layer, nor a list of one expert
+    for model, segments in (
+        (LoopNet(1), 2),
+        (OneOf("down", Downsample()), None),
+        (OneOf("experts", Layer()), None),
+    ):
+        with pytest.warns(UserWarning, match="found no stack of repeated blocks"):
+            seqckpt.checkpoint_blocks(model, segments)
+        assert not any(
+            isinstance(m.__dict__.get("forward"), CheckpointedForward)
+            for m in model.modules()
+        )
+
+
 def test_segments_for_module_list_stacks_are_said_not_to_apply() -> None:
     model = LoopNet()
     with pytest.warns(UserWarning, match="segments=2 applies to nn.Sequential"):
