@@ -468,9 +468,7 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
     members = list(module._modules.values())  # a shared block as often as it is there
     if len(members) < 2 or any(m is None for m in members):
         return False
-    if not isinstance(module, nn.Sequential) and any(
-        word in name.rpartition(".")[2].lower() for word in _SIDE_BY_SIDE
-    ):
+    if not isinstance(module, nn.Sequential) and _side_by_side(name):
         return False
     if len({type(m) for m in members}) == 1 and not isinstance(module, nn.ModuleDict):
         return True
@@ -481,6 +479,12 @@ def _is_stack(module: nn.Module, name: str = "") -> bool:
 _SIDE_BY_SIDE = ("expert", "path")
 
 
+def _side_by_side(name: str) -> bool:
+    """Whether a container held under ``name`` holds modules run side by
+    side (routed ``experts``, parallel ``paths``), not one after another."""
+    return any(word in name.rpartition(".")[2].lower() for word in _SIDE_BY_SIDE)
+
+
 def _holds_one_block(module: nn.Module, name: str = "") -> bool:
     """An ``nn.Sequential`` or ``nn.ModuleList`` (or a subclass) holding one
     block of two weight layers or more: a stack of blocks built one deep (an
@@ -488,18 +492,11 @@ def _holds_one_block(module: nn.Module, name: str = "") -> bool:
     double-stream block beside its single-stream ones), taken where nothing
     encloses it and nothing is inside, unless ``segments`` is given. A list of
     one downsampling convolution (diffusers' ``downsamplers``) is a layer."""
-    if not isinstance(module, (nn.Sequential, nn.ModuleList)):
-        return False
-    members = list(module._modules.values())
-    if len(members) != 1 or any(
-        word in name.rpartition(".")[2].lower() for word in _SIDE_BY_SIDE
-    ):
-        return False
-    block = members[0]
     return (
-        _is_block(block)
-        and not isinstance(block, _CONTAINERS)
-        and _weight_layers(block) >= 2
+        isinstance(module, (nn.Sequential, nn.ModuleList))
+        and _one_block(module)
+        and not _side_by_side(name)
+        and _weight_layers(module) >= 2
     )
 
 

@@ -206,8 +206,8 @@ def test_module_list_blocks_are_checkpointed_in_place() -> None:
 
 
 class Downsample(nn.Module):
-    """One strided convolution as a module of its own (diffusers' downsamplers
-    hold one in a list): a layer, not a block."""
+    """One weight layer as a module of its own (diffusers' downsamplers hold
+    one convolution so, in a list): a layer, not a block."""
 
     def __init__(self) -> None:
         super().__init__()
