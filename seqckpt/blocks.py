@@ -492,10 +492,22 @@ def _holds_one_block(module: nn.Module, name: str = "") -> bool:
     double-stream block beside its single-stream ones), taken where nothing
     encloses it and nothing is inside, unless ``segments`` is given. A list of
     one downsampling convolution (diffusers' ``downsamplers``) is a layer."""
+    members = list(module._modules.values())
     return (
         isinstance(module, (nn.Sequential, nn.ModuleList))
-        and _one_block(module)
+        and len(members) == 1
+        and _sizable_block(members[0])
         and not _side_by_side(name)
+    )
+
+
+def _sizable_block(module: nn.Module | None) -> bool:
+    """A block (not a container) of two weight layers or more: what a lone
+    list member or a numbered attribute must be to count as a block of a
+    stack; a stem's ``conv1`` (a convolution and its norm) is a layer."""
+    return (
+        _is_block(module)
+        and not isinstance(module, _CONTAINERS)
         and _weight_layers(module) >= 2
     )
 
@@ -559,12 +571,7 @@ def _numbered_children(module: nn.Module) -> set[str]:
     groups: dict[tuple[type, str], list[str]] = {}
     for name, m in module._modules.items():
         found = _NUMBERED.fullmatch(name)
-        if (
-            found
-            and _is_block(m)
-            and not isinstance(m, _CONTAINERS)
-            and _weight_layers(m) >= 2
-        ):
+        if found and _sizable_block(m):
             groups.setdefault((type(m), found.group(1)), []).append(name)
     return {name for names in groups.values() if len(names) >= 2 for name in names}
 

@@ -485,6 +485,9 @@ def test_a_compiled_module_beside_a_large_buffer_compiles() -> None:
 
 
 class _Residual(nn.Module):
+    """torchvision's BasicBlock in small: its ReLUs in place (seqckpt.models'
+    residual block applies torch.relu out of place, so it is not used here)."""
+
     def __init__(self, width: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
