@@ -327,3 +327,12 @@ def test_int_segments_never_start_at_an_in_place_module() -> None:
         assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, k, t))
     plan = seqckpt.executor.resolve_plan(3, list(model))
     assert [i.start for i in plan.items if isinstance(i, Recompute)] == [0, 3]
+
+
+def test_the_quickstart_example() -> None:
+    # the README's first example, as examples/quickstart.py runs it
+    import runpy
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "quickstart.py"
+    assert runpy.run_path(str(path))["same"] is True
