@@ -271,6 +271,12 @@ def validate(
     Raises:
         ValueError: unknown model, CUDA asked for without a GPU, segments out of
             range for a model, a batch below 1.
+
+    Example:
+        >>> import seqckpt
+        >>> (row,) = seqckpt.validate("mlp", device="cpu")
+        >>> row["bitwise_equal"], row["ok"], row["reduction_pct"] > 0
+        (True, True, True)
     """
     dev = resolve_device(device)
     names = model_names(model)
