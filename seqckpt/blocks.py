@@ -25,8 +25,9 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
+from seqckpt._options import Options, make_options
 from seqckpt._state import is_checkpointing, is_recomputing
-from seqckpt.checkpoint import Options, make_options, run_region
+from seqckpt.checkpoint import run_region
 from seqckpt.executor import each_item_plan
 from seqckpt.policies import as_policy
 from seqckpt.sequential import CheckpointedSequential, called_by_its_stack

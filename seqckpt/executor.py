@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from seqckpt._buffers import modules_of
-from seqckpt.checkpoint import DEFAULT_OPTIONS, Options, run_region
+from seqckpt._options import DEFAULT_OPTIONS, Options
+from seqckpt.checkpoint import run_region
 from seqckpt.planner.tree import Plan, PlanError, Run, plan_from_sizes, uniform_plan
 from seqckpt.policies import Policy
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from seqckpt._chain import Chain, as_chain
-from seqckpt.checkpoint import ContextFn, DeterminismCheck, Options, make_options
+from seqckpt._options import ContextFn, DeterminismCheck, Options, make_options
 from seqckpt.executor import resolve_plan, run_plan
 from seqckpt.planner.adaptive import BudgetSource
 from seqckpt.planner.budget import parse_budget

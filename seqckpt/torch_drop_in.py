@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from seqckpt.checkpoint import Options, checkpoint, make_options
+from seqckpt._options import Options, make_options
+from seqckpt.checkpoint import checkpoint
 from seqckpt.sequential import checkpoint_sequential
 
 __all__ = ["replace_torch_checkpoint"]

@@ -6,7 +6,6 @@ import collections
 import copy
 import functools
 import gc
-import importlib
 import threading
 import warnings
 import weakref
@@ -676,7 +675,8 @@ def test_stacked_lstm_with_dropout(check: str) -> None:
 
 
 def test_values_check_still_reads_other_integer_tensors() -> None:
-    fingerprint = importlib.import_module("seqckpt.checkpoint")._fingerprint
+    from seqckpt._fingerprint import fingerprint
+
     assert fingerprint(torch.zeros(64, dtype=torch.uint8)) is None
     assert fingerprint(torch.zeros(8, 8, dtype=torch.uint8)) is not None
     assert fingerprint(torch.zeros(64, dtype=torch.int64)) is not None

@@ -148,7 +148,8 @@ def relu_chain() -> nn.Sequential:
 
 def recompute_peak(policy: Any) -> int:
     """Peak while a 4-block region recomputes (its forward's memory excluded)."""
-    from seqckpt.checkpoint import Options, _Region
+    from seqckpt._options import Options
+    from seqckpt._region import _Region
 
     x = torch.randn(128, 64, requires_grad=True)
     options = Options(early_stop=False, policy=as_policy(policy))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import importlib
 import re
 import warnings
 import weakref
@@ -25,13 +24,10 @@ import torch.utils.checkpoint as tc
 from torch import nn
 
 import seqckpt
-from seqckpt import CheckpointError, checkpoint, checkpoint_sequential
+from seqckpt import CheckpointError, _options, checkpoint, checkpoint_sequential
 from seqckpt.memory import track_memory
 from tests.counting import CountsFinished, OpCounter, SavesLessTheSecondTime
 from tests.oracle import assert_matches_plain
-
-# the module (seqckpt.checkpoint is the function)
-CHECKPOINT_MODULE = importlib.import_module("seqckpt.checkpoint")
 
 aten = torch.ops.aten
 
@@ -64,7 +60,7 @@ def test_torch_keywords_are_never_passed_to_the_function() -> None:
 def test_torchs_default_context_fn_is_no_context_fn() -> None:
     # Wrappers that pass torch's defaults on (context_fn=noop_context_fn) get
     # the plain default options, without two empty contexts per region.
-    from seqckpt.checkpoint import DEFAULT_OPTIONS, make_options
+    from seqckpt._options import DEFAULT_OPTIONS, make_options
 
     assert make_options(context_fn=tc.noop_context_fn) is DEFAULT_OPTIONS
     assert make_options(context_fn=lambda: tc.noop_context_fn()) != DEFAULT_OPTIONS
@@ -212,7 +208,7 @@ def test_debug_logs_only_the_functions_ops() -> None:
             False,
             1,
             marks=pytest.mark.skipif(
-                CHECKPOINT_MODULE._TORCH_EARLY_STOP_DEFAULT is True,
+                _options._TORCH_EARLY_STOP_DEFAULT is True,
                 reason="this torch's switch holds True by default: a switch set "
                 "to True cannot be told from it (see the test below)",
             ),
@@ -239,7 +235,7 @@ def test_older_torchs_default_early_stop_leaves_the_keyword_alone(
     # torch 2.8 (and older) holds True in the switch when nobody set it: that
     # must not override early_stop=False; a switch set to False still wins.
     monkeypatch.setattr(tc, "_enable_checkpoint_early_stop", True)
-    monkeypatch.setattr(CHECKPOINT_MODULE, "_TORCH_EARLY_STOP_DEFAULT", True)
+    monkeypatch.setattr(_options, "_TORCH_EARLY_STOP_DEFAULT", True)
     tail = CountsFinished()
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), tail)
     x = torch.randn(3, 4, requires_grad=True)

@@ -24,9 +24,10 @@ from torch.nn.parameter import is_lazy
 
 from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
+from seqckpt._options import Options
+from seqckpt._region import _Region
 from seqckpt._state import RngState, accelerator_devices, generators_held, unseen
 from seqckpt._tree import replace_tensors, storages_in, tensors_in
-from seqckpt.checkpoint import Options, _Region
 from seqckpt.memory import MemoryStats, Stopwatch, track_memory
 from seqckpt.planner.twins import twin_key
 from seqckpt.policies import Policy, as_policy
