@@ -25,5 +25,6 @@ def test_the_planner_does_not_import_the_sequential_front_end() -> None:
 
 
 def test_the_executor_and_the_primitive_do_not_import_the_front_end() -> None:
-    for name in ("executor.py", "checkpoint.py", "_buffers.py", "_chain.py"):
+    primitive = ("checkpoint.py", "_region.py", "_options.py", "_fingerprint.py")
+    for name in ("executor.py", *primitive, "_buffers.py", "_chain.py"):
         assert "seqckpt.sequential" not in imported_modules(PACKAGE / name), name
