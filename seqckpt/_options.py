@@ -33,6 +33,8 @@ class CheckpointError(_torch_checkpoint.CheckpointError):
     A subclass of ``torch.utils.checkpoint.CheckpointError`` (a ``RuntimeError``),
     so code that catches torch's error catches this one too."""
 
+    __module__ = "seqckpt"  # its public name, in tracebacks and pickles
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:

@@ -1916,3 +1916,19 @@ def test_cuda_backward_on_another_stream_than_the_forward() -> None:
         return x.grad.clone()
 
     assert torch.allclose(run(True), run(False), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_error_goes_by_its_public_name() -> None:
+    # raised from a private module, shown and pickled as seqckpt.CheckpointError
+    import pickle
+
+    x = torch.randn(3, requires_grad=True)
+    y = checkpoint(torch.sin, x)
+    with torch.no_grad():
+        x.add_(1)
+    with pytest.raises(CheckpointError) as raised:
+        y.sum().backward()
+    kind = type(raised.value)
+    assert f"{kind.__module__}.{kind.__qualname__}" == "seqckpt.CheckpointError"
+    again = pickle.loads(pickle.dumps(raised.value))
+    assert type(again) is CheckpointError and str(again) == str(raised.value)
