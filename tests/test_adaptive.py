@@ -291,3 +291,43 @@ def test_auto_checks_on_cuda_with_the_allocator_and_closes_at_once() -> None:
         backward_with_loss_grad(out)
         assert _PeakCheck.current is None  # closed at the end of the backward
     assert AUTO_STATS.checks == checks + 1
+
+
+def strided_chain() -> nn.Sequential:
+    # a small convnet: every stage halves height and width, rounding odd sizes up
+    torch.manual_seed(0)
+    widths = [3, 8, 16, 32, 64, 96]
+    return nn.Sequential(
+        *[
+            nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride=2, padding=1),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(),
+                nn.Conv2d(cout, cout, 3, padding=1),
+            )
+            for cin, cout in zip(widths, widths[1:], strict=False)
+        ]
+    )
+
+
+def test_auto_gives_each_image_size_its_own_profile_and_keeps_the_budget() -> None:
+    # Across image sizes a layer's bytes are not linear in the element count
+    # (odd sizes round up at every stride): a frontier shared by all sizes
+    # ran 50x50 3% over this budget. Each image size is profiled once.
+    model = strided_chain()
+    sizes = (64, 88, 50, 72, 64)
+    largest = torch.randn(2, 3, 88, 88)
+    budget = measure_peak(model, largest, lambda m, t: m(t), "cpu") // 2
+    wrapped = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget=budget
+    )
+    before = AUTO_STATS.profiles
+    for size in sizes:
+        x = torch.randn(2, 3, size, size)
+        assert measure_peak(wrapped, x, lambda m, t: m(t), "cpu") <= budget, size
+    assert AUTO_STATS.profiles - before == 4  # the last 64x64 reuses the first
+    assert_matches_plain(
+        model,
+        torch.randn(2, 3, 50, 50),
+        lambda m, t: seqckpt.checkpoint_sequential(m, "auto", t, memory_budget=budget),
+    )

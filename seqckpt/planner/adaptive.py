@@ -14,7 +14,10 @@ longest shape recomputes far more than short batches need. A
   the two profiled sizes nearest (proportional to the size while there is
   one), and predicts every other shape's profile. A size more than twice the
   largest profiled is profiled too: extrapolating a line upwards would miss
-  what grows faster than linearly (an attention matrix).
+  what grows faster than linearly (an attention matrix). Image sizes do not
+  fit a line (strided layers round odd sizes up): ``segments="auto"`` keeps a
+  frontier per image size (see ``planning._rounded_sizes``), and a frontier
+  of one's own should be given batches of one image size.
 - **Plans.** One solve gives the fastest plan for every budget up to the
   keep-everything peak (the solver's table holds all of them); those plans are
   stored. For a batch, the fastest stored plan whose predicted peak at that
@@ -220,7 +223,8 @@ class Frontier:
         miss what grows faster, such as an attention matrix); and a size whose
         measured peak drifted from its prediction. Sizes between and below the
         profiled ones are predicted (the line between two points lies above a
-        convex growth, so predictions err on the safe side there)."""
+        convex growth, so predictions err on the safe side there; not across
+        image sizes, whose rounding is not convex: keep those apart)."""
         if _size_class(size) in self._stale:
             return True
         sizes = [x for x, _ in self.points]
