@@ -4,6 +4,7 @@ re-profiling on drift, callable budgets, errors before running, JSON."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -331,3 +332,19 @@ def test_auto_gives_each_image_size_its_own_profile_and_keeps_the_budget() -> No
         torch.randn(2, 3, 50, 50),
         lambda m, t: seqckpt.checkpoint_sequential(m, "auto", t, memory_budget=budget),
     )
+
+
+def test_a_frontier_made_by_hand_warns_at_another_image_size() -> None:
+    model = strided_chain()
+    frontier = seqckpt.plan(model, torch.randn(2, 3, 64, 64), frontier=True)
+    assert frontier.images == ((64, 64),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        frontier.plan_for(torch.randn(4, 3, 64, 64), 10**9)  # a batch size: fine
+    again = Frontier.from_json(frontier.to_json())
+    assert again.images == frontier.images
+    with pytest.warns(UserWarning, match=r"profiled at image size \(\(64, 64\),\)"):
+        again.plan_for(torch.randn(2, 3, 72, 72), 10**9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per image size
+        again.plan_for(torch.randn(2, 3, 72, 72), 10**9)

@@ -17,7 +17,13 @@ from seqckpt._buffers import modules_of
 from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
 from seqckpt.memory import MemoryStats, track_memory
-from seqckpt.planner.adaptive import BudgetSource, Frontier, budget_now, input_size
+from seqckpt.planner.adaptive import (
+    BudgetSource,
+    Frontier,
+    budget_now,
+    image_sizes,
+    input_size,
+)
 from seqckpt.planner.budget import format_bytes, parse_budget
 from seqckpt.planner.profile import ChainProfile, _candidates
 from seqckpt.planner.profile import profile as profile_chain
@@ -120,7 +126,11 @@ def plan(
     if policies is not None:
         profile = with_policies(profile, policies)
     if frontier:
-        return Frontier([(input_size(sample_input), profile)], slots=slots)
+        return Frontier(
+            [(input_size(sample_input), profile)],
+            slots=slots,
+            images=image_sizes(sample_input),
+        )
     return fastest_plan(profile, budget, slots)
 
 
@@ -281,29 +291,13 @@ AUTO_STATS = AutoStats()
 
 def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     """A chain and the kind of input it gets: each tensor's rank, dtype,
-    device and grad flag, and :func:`_rounded_sizes`, so that each image
-    size (or signal length) gets a frontier of its own, profiled at it, while
-    batch sizes and sequence lengths share one."""
+    device and grad flag, and the input's :func:`image_sizes`, so that each
+    image size (or signal length) gets a frontier of its own, profiled at it,
+    while batch sizes and sequence lengths share one."""
     kinds = tuple(
-        (t.dim(), t.dtype, str(t.device), t.requires_grad, _rounded_sizes(t))
-        for t in tensors_in(input)
+        (t.dim(), t.dtype, str(t.device), t.requires_grad) for t in tensors_in(input)
     )
-    return (tuple(id(m) for m in chain), kinds)
-
-
-def _rounded_sizes(t: torch.Tensor) -> tuple[int, ...]:
-    """The sizes of a floating-point tensor of rank three or more after its
-    first two dimensions (an image's height and width, a signal's length);
-    () for other tensors. Strided convolutions and pooling round those sizes
-    up at every stage, so a layer's bytes are not linear in the input's
-    element count across them: torchvision's mobilenet_v2 and efficientnet_b0
-    at 72x72 hold 5.5% and 8% more than their 64x64 profiles scaled by the
-    element count, and a frontier fitted across image sizes ran steps up to
-    17% over the budget. Batch and sequence dimensions (the first two) scale
-    layers linearly."""
-    if t.dim() < 3 or not t.is_floating_point():
-        return ()
-    return tuple(t.shape[2:])
+    return (tuple(id(m) for m in chain), kinds, image_sizes(input))
 
 
 def _holders(chain: Sequence[Any]) -> tuple[tuple[bool, Any], ...]:
@@ -343,7 +337,7 @@ def _timed_profile(
 def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
     """The frontier ``segments="auto"`` keeps for this chain and kind of input
     (``size`` is the input's :func:`input_size`; an image size or signal
-    length is a kind of its own, see :func:`_rounded_sizes`): profiled on the
+    length is a kind of its own, see :func:`image_sizes`): profiled on the
     first call, and once more at the first size that differs by half (or where
     measured peaks drifted); then reused for every batch of that kind."""
     key = _frontier_key(chain, input)
