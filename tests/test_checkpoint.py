@@ -496,6 +496,32 @@ def test_autocast_replayed_in_recompute() -> None:
     )
 
 
+def test_autocast_cache_does_not_hold_a_regions_weight_copies() -> None:
+    # Autocast caches the low-precision copy of each weight it casts until the
+    # autocast block ends; a region that drops its saved tensors must not leave
+    # those copies in the cache for the rest of the forward.
+    from seqckpt.memory import track_memory
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    x = torch.randn(2, 256, requires_grad=True)
+    copies = 2 * 256 * 256 * 2  # two bf16 weight matrices
+    live = {}
+    for label, run in (
+        ("plain", model),
+        ("checkpointed", lambda t: checkpoint(model, t)),
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with track_memory("cpu") as mem:
+                y = run(x)
+                live[label] = mem.live_bytes()
+            assert torch.is_autocast_cache_enabled()  # the caller's flag is back
+        del y
+    assert live["plain"] > copies  # held by the cache (and saved)
+    assert live["checkpointed"] < copies // 4  # the output and the input's cast
+    test_autocast_replayed_in_recompute()  # and still bitwise
+
+
 def test_default_device_context_replayed() -> None:
     seen: list[torch.device] = []
 

@@ -26,7 +26,13 @@ from seqckpt._buffers import watching_modules
 from seqckpt._chain import as_chain
 from seqckpt._options import Options
 from seqckpt._region import _Region
-from seqckpt._state import RngState, accelerator_devices, generators_held, unseen
+from seqckpt._state import (
+    RngState,
+    _any_autocast,
+    accelerator_devices,
+    generators_held,
+    unseen,
+)
 from seqckpt._tree import replace_tensors, storages_in, tensors_in
 from seqckpt.memory import MemoryStats, Stopwatch, track_memory
 from seqckpt.planner.twins import twin_key
@@ -332,8 +338,15 @@ def _clear_input_grads(x: Any) -> None:
 
 
 def _fresh(x: Any) -> Any:
-    """A copy of the item's input that it may modify in place: non-leaf copies
-    of tensors that require grad (their gradient still reaches ``x``)."""
+    """A copy of the item's input that it may modify in place (non-leaf copies
+    of tensors that require grad: their gradient still reaches ``x``), made
+    just before a measured run, with autocast's cache of cast weights emptied:
+    in a training step each weight is cast inside the step and its
+    low-precision copy held until backward, so a run that found the casts of
+    an earlier run cached would leave them out (torchvision's mobilenet_v2
+    under bf16 autocast: 16.13 MiB predicted, 19.56 measured)."""
+    if _any_autocast() and torch.is_autocast_cache_enabled():
+        torch.clear_autocast_cache()  # type: ignore[no-untyped-call]
     return replace_tensors(x, [t.clone() for t in tensors_in(x)])
 
 
