@@ -519,7 +519,7 @@ def test_autocast_cache_does_not_hold_a_regions_weight_copies() -> None:
         del y
     assert live["plain"] > copies  # held by the cache (and saved)
     assert live["checkpointed"] < copies // 4  # the output and the input's cast
-    test_autocast_replayed_in_recompute()  # and still bitwise
+    # (bitwise under autocast: test_autocast_replayed_in_recompute)
 
 
 def test_default_device_context_replayed() -> None:
