@@ -342,13 +342,6 @@ class _Region:
         pack: Callable[[torch.Tensor], Any] = self._pack
         if _USER_HOOKS is not None:
             pack = _mark_internal(functools.partial(_Region._pack, self))
-        # Autocast's cache would hold the low-precision copy of every weight
-        # the region casts until the autocast block ends, though the region
-        # drops what it saves; cast without it (the same values).
-        autocast = self.ambient.autocast
-        uncached = autocast is not None and autocast[0]
-        if uncached:
-            torch.set_autocast_cache_enabled(False)
         torch._C._autograd._push_saved_tensors_default_hooks(pack, self._unpack)
         try:
             if extra is None:
@@ -357,8 +350,6 @@ class _Region:
                 with extra:
                     output = self.function(*self.args, **self.kwargs)
         finally:
-            if uncached:
-                torch.set_autocast_cache_enabled(True)
             torch._C._autograd._pop_saved_tensors_default_hooks()
             if _USER_HOOKS is not None:
                 del pack._user_hooks  # type: ignore[attr-defined]
