@@ -294,10 +294,9 @@ def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     device and grad flag, and the input's :func:`image_sizes`, so that each
     image size (or signal length) gets a frontier of its own, profiled at it,
     while batch sizes and sequence lengths share one."""
-    kinds = tuple(
-        (t.dim(), t.dtype, str(t.device), t.requires_grad) for t in tensors_in(input)
-    )
-    return (tuple(id(m) for m in chain), kinds, image_sizes(input))
+    tensors = tensors_in(input)
+    kinds = tuple((t.dim(), t.dtype, str(t.device), t.requires_grad) for t in tensors)
+    return (tuple(id(m) for m in chain), kinds, image_sizes(tensors))
 
 
 def _holders(chain: Sequence[Any]) -> tuple[tuple[bool, Any], ...]:
