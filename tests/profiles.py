@@ -8,9 +8,15 @@ from seqckpt.planner import ChainProfile, LayerProfile
 
 
 def layer(
-    act: int, f: float = 1.0, b: float = 2.0, *, saved: int | None = None
+    act: int,
+    f: float = 1.0,
+    b: float = 2.0,
+    *,
+    saved: int | None = None,
+    region_kept: int = 0,
 ) -> LayerProfile:
-    """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``)."""
+    """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``),
+    and ``region_kept`` when recomputed (autocast's casts)."""
     kept = act if saved is None else saved
     return LayerProfile(
         name="synthetic",
@@ -23,6 +29,7 @@ def layer(
         forward_peak_bytes=kept,
         nograd_peak_bytes=act,
         backward_peak_bytes=2 * act,
+        region_kept_bytes=region_kept,
     )
 
 

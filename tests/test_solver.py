@@ -106,6 +106,8 @@ def profiles(draw: st.DrawFn) -> tuple[object, int]:
             draw(st.integers(1, 9)) / 4,
             draw(st.integers(1, 9)) / 4,
             saved=draw(st.integers(1, 80)) * 1000,
+            # what a recomputed stretch still holds (autocast's casts)
+            region_kept=draw(st.sampled_from([0, 0, 1, 7, 20])) * 1000,
         )
         for _ in range(n)
     ]

@@ -82,6 +82,7 @@ _BYTES = (
     "forward_peak_bytes",
     "nograd_peak_bytes",
     "backward_peak_bytes",
+    "region_kept_bytes",
 )
 _TIMES = ("forward_time", "backward_time")
 # A time predicted for a smaller size never drops below this share of the

@@ -70,6 +70,7 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
         forward_peak_bytes=forward_peak,
         nograd_peak_bytes=nograd_peak,
         backward_peak_bytes=max(0, backward_need - held),
+        region_kept_bytes=sum(p.region_kept_bytes for p in layers),
         modifies_input=not can_start,
         returns_input=False,
         policies=policies,

@@ -13,11 +13,16 @@ it), so every backward and every recompute runs with it.
   live), the rest with layer ``i``'s saved bytes and output held, the backward
   of ``i`` with what it saved (output gradient included in its backward peak);
 - recompute ``i..j-1``, then the rest: a forward of ``i..j-1`` that keeps
-  nothing, the rest with ``x_j`` held, then the inner plan of ``i..j-1`` with
-  the gradient of ``x_j`` live;
+  nothing for backward, the rest with ``x_j`` held, then the inner plan of
+  ``i..j-1`` with the gradient of ``x_j`` live. What the stretch's forward
+  leaves alive even so (``K`` bytes, counted from that forward until its
+  recompute) is its layers' ``region_kept_bytes``: under ``torch.autocast``
+  with its cache on, mostly the weight casts the cache holds until the
+  autocast block ends (charged until the recompute: on the safe side when
+  backward runs outside the block, as it usually does);
 - recompute ``i..j-1`` under a policy (selective saving): its forward also keeps
-  what the policy selects (``K`` bytes, counted from that forward until the
-  stretch's recompute) and takes its measured time under the policy, and the
+  what the policy selects (in ``K``) and takes its measured time under the
+  policy, and the
   recompute of the layers its inner plan runs plainly takes their measured
   recompute time instead of a full forward.
 
@@ -48,7 +53,8 @@ class CostModel:
     place (or returns its input to a layer that does), so a recompute would
     start from modified values. ``policies[p]`` is a policy the profile measured
     (``policies[0]`` is None), ``kept_by[p][k]`` what layer ``k`` keeps under it
-    (its output included when kept: ``output_kept_by[p][k]`` bytes, not kept
+    from its forward to its recompute (for None its ``region_kept_bytes``;
+    its output included when kept: ``output_kept_by[p][k]`` bytes, not kept
     again when the layer ends a stretch), ``recompute_by[p][k]`` the seconds
     of its recompute under it and ``forward_by[p][k]`` those of its
     checkpointed forward under it (choosing what to keep costs time).
@@ -91,7 +97,7 @@ class CostModel:
             backward_time=[p.backward_time for p in layers],
             can_start=[not u for u in unsafe[:-1]],
             policies=[None, *profile.policies],
-            kept_by=[[0] * len(layers)]
+            kept_by=[[p.region_kept_bytes for p in layers]]
             + [
                 [p.policies[q].kept_bytes for p in layers]
                 for q in range(len(profile.policies))
@@ -149,10 +155,11 @@ class CostModel:
     def linear_terms(self) -> tuple[list[float], list[int]]:
         """The figures :meth:`linear_counts` counts. Times: the forward times,
         the backward times, then each policy's recompute times, then each
-        policy's forward times. Bytes: what
-        each layer keeps, the layers' inputs (and the chain's output), what
-        each layer keeps under each policy, the part of that which is its
-        output, then the last layer's held bytes and backward peak."""
+        policy's forward times. Bytes: what each layer keeps, the layers'
+        inputs (and the chain's output), what each layer keeps recomputed
+        under each policy (None first), the part of that which is its output
+        (policies other than None), then the last layer's held bytes and
+        backward peak."""
         n = len(self)
         return (
             [
@@ -164,7 +171,7 @@ class CostModel:
             [
                 *self.kept,
                 *self.a,
-                *(b for row in self.kept_by[1:] for b in row),
+                *(b for row in self.kept_by for b in row),
                 *(b for row in self.output_kept_by[1:] for b in row),
                 self.held[n - 1],
                 self.backward_peak[n - 1],
@@ -181,7 +188,9 @@ class CostModel:
         computes the peaks of only the few that are faster and may fit."""
         n, policies = len(self), len(self.policies)
         seconds = [0] * (2 * n * policies)
-        floor = [0] * (n + (n + 1) + 2 * n * (policies - 1) + 2)
+        kept_at = 2 * n + 1  # where kept_by's rows start among the bytes
+        output_kept_at = kept_at + n * policies  # and output_kept_by[1:]'s
+        floor = [0] * (output_kept_at + n * (policies - 1) + 2)
 
         # (items, at the top level); a stack, not a recursive closure (which
         # would be a reference cycle left to the garbage collector)
@@ -204,8 +213,13 @@ class CostModel:
                 for k in range(item.start, item.stop):
                     seconds[forward + k] += 1
                 pending.append((item.inner.items, False))
-                if top and item.stop < n:
-                    floor[n + item.stop] += 1  # its output, held
+                if top:  # its output, held, and what its forward keeps
+                    if item.stop < n:
+                        floor[n + item.stop] += 1
+                    for k in range(item.start, item.stop):
+                        floor[kept_at + n * p + k] += 1
+                    if p:
+                        floor[output_kept_at + n * (p - 1) + item.stop - 1] -= 1
                 if p == 0:
                     continue
                 for run in item.inner.items:  # recomputed under the policy
@@ -213,11 +227,6 @@ class CostModel:
                         for k in range(run.start, run.stop):
                             seconds[k] -= 1
                             seconds[n * (1 + p) + k] += 1
-                if top:  # what the policy keeps
-                    kept_by = 2 * n + 1 + n * (p - 1)
-                    for k in range(item.start, item.stop):
-                        floor[kept_by + k] += 1
-                    floor[kept_by + n * (policies - 1) + item.stop - 1] -= 1
         return seconds, floor
 
     def keep_alone(self, i: int, delta: int) -> int:
@@ -250,10 +259,9 @@ class CostModel:
                     item.inner.items, self.output_grad(item.stop - 1)
                 )
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
-                kept = 0
-                if item.policy is not None:
-                    p = self.policy_index(item.policy)
-                    kept = self.stretch_kept(p, item.start, item.stop)
+                p = 0 if item.policy is None else self.policy_index(item.policy)
+                kept = self.stretch_kept(p, item.start, item.stop)
+                if p:
                     forward = sum(
                         self.forward_by[p][k] for k in range(item.start, item.stop)
                     )

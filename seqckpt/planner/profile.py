@@ -61,6 +61,13 @@ class LayerProfile:
         backward_peak_bytes: the most bytes its backward holds at once beyond
             ``held_bytes``: the output gradient, temporaries and the input
             gradient (saved tensors freed on the way count against it).
+        region_kept_bytes: bytes a checkpointed forward of the item (no
+            policy) leaves alive besides its input and output until its
+            recompute: under ``torch.autocast`` with its cache on (the
+            default), the low-precision copy of every weight it casts (held by
+            autocast's cache until the autocast block ends, whatever a region
+            drops), the RNG state and buffer copies the region keeps to replay,
+            and tensors a module stores on itself.
         modifies_input: it writes into its input in place (``nn.ReLU(inplace=
             True)``); a checkpointed stretch never starts at such an item.
         returns_input: its output is (a view of) its input.
@@ -79,6 +86,7 @@ class LayerProfile:
     forward_peak_bytes: int
     nograd_peak_bytes: int
     backward_peak_bytes: int
+    region_kept_bytes: int = 0
     modifies_input: bool = False
     returns_input: bool = False
     policies: tuple[PolicyCost, ...] = ()
@@ -126,7 +134,8 @@ class ChainProfile:
     def table(self) -> str:
         """The profile as an aligned text table, one row per item."""
         head: tuple[str, ...] = ("#", "item", "fwd ms", "bwd ms", "in MiB",
-                "out MiB", "saved MiB", "fwd peak MiB", "bwd peak MiB")  # fmt: skip
+                "out MiB", "saved MiB", "fwd peak MiB", "bwd peak MiB",
+                "ckpt kept MiB")  # fmt: skip
         for policy in self.policies:
             head += (
                 f"{policy} kept MiB",
@@ -146,6 +155,7 @@ class ChainProfile:
                     f"{p.saved_bytes / 2**20:.3f}",
                     f"{p.forward_peak_bytes / 2**20:.3f}",
                     f"{p.backward_peak_bytes / 2**20:.3f}",
+                    f"{p.region_kept_bytes / 2**20:.3f}",
                     *(
                         value
                         for c in p.policies
@@ -404,9 +414,12 @@ def _profile_item(
         backwards.run(partial(backward_with_loss_grad, out))
         _clear_input_grads(x)
     forward_time = statistics.median(forwards.seconds())
+    # An item that writes into its input cannot be a region by itself; it is
+    # charged as recomputed in full, keeping nothing.
+    region_kept = (
+        0 if modifies_input else _region_kept(item, x, device, None, output_bytes)[0]
+    )
     costs = tuple(
-        # An item that writes into its input cannot be a region by itself; it
-        # is charged as recomputed in full, keeping nothing.
         PolicyCost(policy, 0, forward_time, forward_time=forward_time)
         if modifies_input
         else _policy_cost(item, x, device, policy, output_bytes, repeats)
@@ -425,6 +438,7 @@ def _profile_item(
         forward_peak_bytes=forward_peak,
         nograd_peak_bytes=nograd.peak_bytes,
         backward_peak_bytes=backward_peak,
+        region_kept_bytes=region_kept,
         modifies_input=modifies_input,
         returns_input=returns_input,
         policies=costs,
@@ -450,6 +464,33 @@ def _nograd_forward(
     return stats
 
 
+def _region_kept(
+    item: Callable[..., Any],
+    x: Any,
+    device: torch.device,
+    policy: Policy | None,
+    output_bytes: int,
+) -> tuple[int, bool]:
+    """What ``item`` checkpointed under ``policy`` (None: no policy) leaves
+    alive after its forward until its recompute: the live bytes then, less
+    its output unless the policy keeps that; and whether it does. Besides
+    what a policy keeps, that is what autocast's cache holds (the casts of
+    the weights the item uses), the RNG state and buffer copies the region
+    keeps, and tensors a module stores on itself."""
+    options = Options(early_stop=False, policy=policy)
+    inputs = _fresh(x)  # made outside the tracker: the caller holds it
+    with track_memory(device) as mem:
+        region = _Region(item, (inputs,), {}, options, None)
+        out = region.run()
+        keeps_output = False
+        if region.kept is not None:
+            kept_storages = _storages([t for t, _, _ in region.kept.entries.values()])
+            keeps_output = bool(_storages(out)) and _storages(out) <= kept_storages
+        kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
+    del inputs, out, region
+    return max(0, kept), keeps_output
+
+
 def _policy_cost(
     item: Callable[..., Any],
     x: Any,
@@ -458,21 +499,11 @@ def _policy_cost(
     output_bytes: int,
     repeats: int,
 ) -> PolicyCost:
-    """What ``item`` keeps when checkpointed under ``policy`` (live bytes after
-    its checkpointed forward, less its output unless the policy keeps that),
-    and the median seconds of that forward and of its recompute alone (run to
-    its end, as inside a longer stretch)."""
+    """What ``item`` keeps when checkpointed under ``policy`` (see
+    :func:`_region_kept`), and the median seconds of that forward and of its
+    recompute alone (run to its end, as inside a longer stretch)."""
     options = Options(early_stop=False, policy=policy)
-    inputs = _fresh(x)  # made outside the tracker: the caller holds it
-    with track_memory(device) as mem:
-        region = _Region(item, (inputs,), {}, options, None)
-        out = region.run()
-        assert region.kept is not None
-        kept_storages = _storages([t for t, _, _ in region.kept.entries.values()])
-        keeps_output = bool(_storages(out)) and _storages(out) <= kept_storages
-        kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
-        kept = max(0, kept)
-    del inputs, out, region
+    kept, keeps_output = _region_kept(item, x, device, policy, output_bytes)
     forwards, recomputes = Stopwatch(device), Stopwatch(device)
     for _ in range(repeats):  # timed outside the tracker
         region = _Region(item, (_fresh(x),), {}, options, None)
@@ -525,8 +556,10 @@ def profile(
     """Measure each item of a chain: forward and backward time (medians of
     ``repeats`` runs, after the runs that measure memory; on CUDA timed with
     events, so small items are not charged launch latency), input and output
-    bytes, the bytes autograd keeps, and the transient peaks of forward and
-    backward (measured after a warm-up, on CUDA a forward and backward of the
+    bytes, the bytes autograd keeps, what a checkpointed forward of the item
+    still leaves alive (under ``torch.autocast``, the weight casts its cache
+    holds), and the transient peaks of forward and backward (measured after a
+    warm-up, on CUDA a forward and backward of the
     item, so workspaces that the first cuBLAS or cuDNN call allocates are not
     charged to it).
 

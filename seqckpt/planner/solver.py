@@ -76,7 +76,10 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
             for j, forward, nograd in model.cuts(i, last) if model.can_start[i] else ():
                 rest_need, rest_time, _ = best[j, last]
                 inner_need, inner_time, _ = best[i, j - 1]
-                need = max(delta + nograd, model.a[j] + rest_need, inner_need)
+                kept = model.stretch_kept(0, i, j)
+                need = max(
+                    delta + nograd + kept, model.a[j] + kept + rest_need, inner_need
+                )
                 seconds = forward + rest_time + inner_time
                 if (need, seconds) < candidate[:2]:
                     candidate = (need, seconds, j)
@@ -302,9 +305,12 @@ def _table(
             flat = tables.flat[firsts, cuts]
             for p in range(policies):
                 if p == 0:  # no policy: the inner stretch solved optimally
-                    total = after + T[firsts, cuts - 1]
+                    # holding what its forward leaves alive (autocast's casts)
+                    kept = tables.K[0][cuts] - tables.K[0][firsts]
+                    total = _gather_shifted(after, _ceil_slots(kept, unit))
+                    total += T[firsts, cuts - 1]
                     total += (forward + ties).to(dtype)[..., None]
-                    need = _ceil_slots(delta[:, None] + nograd, unit)
+                    need = _ceil_slots(delta[:, None] + nograd + kept, unit)
                 else:  # a flat recompute under the policy, holding what it keeps
                     # Stretches too long to recompute flat in the budget are
                     # left out (flat needs grow with the stretch's length).
@@ -366,7 +372,7 @@ def _rebuild(
         if p == 0:
             inner = _rebuild(choices, model, kept, a, unit, i, j - 1, s)
             items.append(Recompute(i, j, Plan(_merge(inner))))
-            s -= a[j]
+            s -= a[j] + _slots(model.stretch_kept(0, i, j), unit)
         else:
             stretch_kept = model.stretch_kept(p, i, j)
             items.append(Recompute(i, j, Plan((Run(i, j),)), model.policies[p]))
