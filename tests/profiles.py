@@ -14,9 +14,12 @@ def layer(
     *,
     saved: int | None = None,
     region_kept: int = 0,
+    input_held: bool = True,
+    output_held: bool = True,
 ) -> LayerProfile:
     """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``),
-    and ``region_kept`` when recomputed (autocast's casts)."""
+    and ``region_kept`` when recomputed (autocast's casts); ``input_held`` and
+    ``output_held`` as :class:`LayerProfile` has them."""
     kept = act if saved is None else saved
     return LayerProfile(
         name="synthetic",
@@ -30,6 +33,8 @@ def layer(
         nograd_peak_bytes=act,
         backward_peak_bytes=2 * act,
         region_kept_bytes=region_kept,
+        input_held=input_held,
+        output_held=output_held,
     )
 
 

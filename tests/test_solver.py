@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqckpt.planner import Plan, PlanError, Recompute, Run, plan_cost, uniform_plan
+from seqckpt.planner import (
+    ChainProfile,
+    Plan,
+    PlanError,
+    Recompute,
+    Run,
+    plan_cost,
+    uniform_plan,
+)
 from seqckpt.planner.cost import CostModel
 from seqckpt.planner.solver import fastest_plan, least_memory
 from tests.profiles import chain_profile, equal_layers, layer
@@ -98,7 +106,7 @@ def test_equal_layers_at_one_extra_forward_need_about_sqrt_2n() -> None:
 
 
 @st.composite
-def profiles(draw: st.DrawFn) -> tuple[object, int]:
+def profiles(draw: st.DrawFn) -> tuple[ChainProfile, int]:
     n = draw(st.integers(1, 4))
     layers = [
         layer(
@@ -108,6 +116,9 @@ def profiles(draw: st.DrawFn) -> tuple[object, int]:
             saved=draw(st.integers(1, 80)) * 1000,
             # what a recomputed stretch still holds (autocast's casts)
             region_kept=draw(st.sampled_from([0, 0, 1, 7, 20])) * 1000,
+            # an output neither it nor the next layer holds (before a ReLU)
+            input_held=draw(st.booleans()),
+            output_held=draw(st.booleans()),
         )
         for _ in range(n)
     ]
@@ -119,20 +130,34 @@ def profiles(draw: st.DrawFn) -> tuple[object, int]:
     return prof, budget
 
 
-@settings(max_examples=60, deadline=None)
-@given(profiles())
-def test_dp_matches_brute_force(case: tuple[object, int]) -> None:
-    prof, budget = case
-    model = CostModel.of(prof)  # type: ignore[arg-type]
-    n = len(model)
-    plan = fastest_plan(prof, budget)  # type: ignore[arg-type]
+def assert_fastest(prof: ChainProfile, budget: int) -> None:
+    model = CostModel.of(prof)
+    plan = fastest_plan(prof, budget)
     assert plan.predicted_peak_bytes is not None and plan.predicted_time is not None
     assert plan.predicted_peak_bytes <= budget
     # Exact: sizes rounded up to slots lose no plan that fits the budget.
-    for items in all_items(0, n):
+    for items in all_items(0, len(model)):
         need, seconds = model.total(items)
         if need <= budget:
             assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(profiles())
+def test_dp_matches_brute_force(case: tuple[ChainProfile, int]) -> None:
+    assert_fastest(*case)
+
+
+def test_a_stretch_holds_the_input_nothing_before_it_holds() -> None:
+    # Outputs that neither their layer nor the next one holds (a linear layer
+    # before a ReLU): a checkpointed stretch starting there holds its input
+    # itself, through its inner plan too (a case hypothesis once found where
+    # a DP that left that out of the inner plan's slots failed).
+    layers = [
+        layer(act, 0.25, 0.25, saved=saved, input_held=False, output_held=False)
+        for act, saved in ((1000, 1000), (1000, 3000), (3000, 1000))
+    ]
+    assert_fastest(chain_profile(layers), 8000)
 
 
 @pytest.mark.parametrize("n", [8, 14, 30])

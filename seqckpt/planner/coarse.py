@@ -71,6 +71,8 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
         nograd_peak_bytes=nograd_peak,
         backward_peak_bytes=max(0, backward_need - held),
         region_kept_bytes=sum(p.region_kept_bytes for p in layers),
+        input_held=layers[0].input_held,
+        output_held=layers[-1].output_held,
         modifies_input=not can_start,
         returns_input=False,
         policies=policies,

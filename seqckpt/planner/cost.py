@@ -26,6 +26,12 @@ it), so every backward and every recompute runs with it.
   recompute of the layers its inner plan runs plainly takes their measured
   recompute time instead of a full forward.
 
+An activation that neither the layer making it nor the layer using it holds
+(a linear layer's output before a ReLU or dropout, a frozen layer's before the
+next) lives only through its consumer's forward: it is charged there (inside
+that layer's forward peak, or as the input a checkpointed stretch starting
+there holds), not to the layer or stretch that made it.
+
 The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model over
 plans whose stretches with a policy recompute flat (their inner plan keeps every
 layer); stretches without a policy may nest.
@@ -58,9 +64,17 @@ class CostModel:
     again when the layer ends a stretch), ``recompute_by[p][k]`` the seconds
     of its recompute under it and ``forward_by[p][k]`` those of its
     checkpointed forward under it (choosing what to keep costs time).
+    ``a_held[k]`` is what a stretch ending before layer ``k`` holds of its
+    output while the rest runs (``a[k]``, or 0 where layer ``k`` does not keep
+    its input: it lives only through that layer's forward, counted in its
+    ``forward_peak``), and ``hold_in[k]`` what a stretch starting at layer
+    ``k`` holds of its input besides (``a[k]`` where the layer before does not
+    hold its output, else 0: the layer or stretch before holds it).
     """
 
     a: list[int]
+    a_held: list[int]
+    hold_in: list[int]
     kept: list[int]
     held: list[int]
     forward_peak: list[int]
@@ -79,18 +93,39 @@ class CostModel:
     def of(profile: ChainProfile) -> CostModel:
         layers = profile.layers
         out = layers[-1].output_bytes
-        unsafe = [False] * (len(layers) + 1)
-        for k in reversed(range(len(layers))):
+        n = len(layers)
+        unsafe = [False] * (n + 1)
+        for k in reversed(range(n)):
             p = layers[k]
             unsafe[k] = p.modifies_input or (p.returns_input and unsafe[k + 1])
+        a = [layers[0].input_bytes] + [p.output_bytes for p in layers]
+        # passing[k + 1]: the output of layer k lives only through layer k+1's
+        # forward (neither holds it, and neither is a view of its input)
+        passing = (
+            [False]
+            + [
+                not (p.output_held or p.returns_input)
+                and not (q.input_held or q.returns_input or q.modifies_input)
+                for p, q in zip(layers, layers[1:])  # noqa: B905
+            ]
+            + [False]
+        )
         return CostModel(
-            a=[layers[0].input_bytes] + [p.output_bytes for p in layers],
-            kept=[p.saved_bytes for p in layers],
+            a=a,
+            a_held=[0 if passing[k] else a[k] for k in range(n + 1)],
+            hold_in=[a[k] if passing[k] else 0 for k in range(n)],
+            kept=[
+                max(0, p.saved_bytes - a[k + 1]) if passing[k + 1] else p.saved_bytes
+                for k, p in enumerate(layers)
+            ],
             # The chain's output lives until backward ends (the caller holds
             # it, or the next layer saved it): every backward runs with it.
             # The last layer's backward holds it once, saved or not.
             held=[p.held_bytes + out for p in layers[:-1]] + [layers[-1].saved_bytes],
-            forward_peak=[p.forward_peak_bytes for p in layers],
+            forward_peak=[
+                p.forward_peak_bytes + (a[k] if passing[k] else 0)
+                for k, p in enumerate(layers)
+            ],
             nograd_peak=[p.nograd_peak_bytes for p in layers],
             backward_peak=[p.backward_peak_bytes for p in layers],
             forward_time=[p.forward_time for p in layers],
@@ -102,9 +137,16 @@ class CostModel:
                 [p.policies[q].kept_bytes for p in layers]
                 for q in range(len(profile.policies))
             ],
-            output_kept_by=[[0] * len(layers)]
+            # (a passing output is not held by the stretch it ends: the
+            # policy's copy is then the only one, and counts)
+            output_kept_by=[[0] * n]
             + [
-                [p.output_bytes if p.policies[q].keeps_output else 0 for p in layers]
+                [
+                    p.output_bytes
+                    if p.policies[q].keeps_output and not passing[k + 1]
+                    else 0
+                    for k, p in enumerate(layers)
+                ]
                 for q in range(len(profile.policies))
             ],
             recompute_by=[[p.forward_time for p in layers]]
@@ -155,11 +197,11 @@ class CostModel:
     def linear_terms(self) -> tuple[list[float], list[int]]:
         """The figures :meth:`linear_counts` counts. Times: the forward times,
         the backward times, then each policy's recompute times, then each
-        policy's forward times. Bytes: what each layer keeps, the layers'
-        inputs (and the chain's output), what each layer keeps recomputed
-        under each policy (None first), the part of that which is its output
-        (policies other than None), then the last layer's held bytes and
-        backward peak."""
+        policy's forward times. Bytes: what each layer keeps, what a stretch
+        holds of its output (:attr:`a_held`) and of its input
+        (:attr:`hold_in`), what each layer keeps recomputed under each policy
+        (None first), the part of that which is its output (policies other
+        than None), then the last layer's held bytes and backward peak."""
         n = len(self)
         return (
             [
@@ -170,7 +212,8 @@ class CostModel:
             ],
             [
                 *self.kept,
-                *self.a,
+                *self.a_held,
+                *self.hold_in,
                 *(b for row in self.kept_by for b in row),
                 *(b for row in self.output_kept_by[1:] for b in row),
                 self.held[n - 1],
@@ -188,7 +231,8 @@ class CostModel:
         computes the peaks of only the few that are faster and may fit."""
         n, policies = len(self), len(self.policies)
         seconds = [0] * (2 * n * policies)
-        kept_at = 2 * n + 1  # where kept_by's rows start among the bytes
+        hold_in_at = 2 * n + 1  # where hold_in starts among the bytes
+        kept_at = hold_in_at + n  # and kept_by's rows
         output_kept_at = kept_at + n * policies  # and output_kept_by[1:]'s
         floor = [0] * (output_kept_at + n * (policies - 1) + 2)
 
@@ -213,9 +257,10 @@ class CostModel:
                 for k in range(item.start, item.stop):
                     seconds[forward + k] += 1
                 pending.append((item.inner.items, False))
-                if top:  # its output, held, and what its forward keeps
+                if top:  # its output and input, held, and what it keeps
                     if item.stop < n:
                         floor[n + item.stop] += 1
+                    floor[hold_in_at + item.start] += 1
                     for k in range(item.start, item.stop):
                         floor[kept_at + n * p + k] += 1
                     if p:
@@ -273,9 +318,10 @@ class CostModel:
                         if isinstance(run, Run)
                         for k in range(run.start, run.stop)
                     )
-                here = max(delta + nograd + kept, inner_need)
+                kept += self.hold_in[item.start]
+                here = max(delta + nograd + kept, inner_need + self.hold_in[item.start])
                 if need is not None:
-                    here = max(here, self.a[item.stop] + kept + need)
+                    here = max(here, self.a_held[item.stop] + kept + need)
                 need = here
                 seconds += forward + inner_time
                 continue

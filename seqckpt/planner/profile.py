@@ -68,6 +68,14 @@ class LayerProfile:
             autocast's cache until the autocast block ends, whatever a region
             drops), the RNG state and buffer copies the region keeps to replay,
             and tensors a module stores on itself.
+        input_held: something still holds its input after its forward, while
+            its graph lives: its graph saved it (a linear layer, for the weight
+            gradient), its output is a view of it, or a module stores it.
+        output_held: its output stays alive after its forward once nothing
+            else holds it (its graph saved it: ``tanh``, ``relu``). Where
+            neither this item holds its output nor the next its input (a linear
+            layer before a ReLU or dropout; a frozen layer before another), the
+            cost model frees the output after the next item's forward.
         modifies_input: it writes into its input in place (``nn.ReLU(inplace=
             True)``); a checkpointed stretch never starts at such an item.
         returns_input: its output is (a view of) its input.
@@ -87,6 +95,8 @@ class LayerProfile:
     nograd_peak_bytes: int
     backward_peak_bytes: int
     region_kept_bytes: int = 0
+    input_held: bool = True
+    output_held: bool = True
     modifies_input: bool = False
     returns_input: bool = False
     policies: tuple[PolicyCost, ...] = ()
@@ -414,6 +424,7 @@ def _profile_item(
         backwards.run(partial(backward_with_loss_grad, out))
         _clear_input_grads(x)
     forward_time = statistics.median(forwards.seconds())
+    input_held, output_held = _what_stays(item, x, device)
     # An item that writes into its input cannot be a region by itself; it is
     # charged as recomputed in full, keeping nothing.
     region_kept = (
@@ -439,11 +450,39 @@ def _profile_item(
         nograd_peak_bytes=nograd.peak_bytes,
         backward_peak_bytes=backward_peak,
         region_kept_bytes=region_kept,
+        input_held=input_held,
+        output_held=output_held,
         modifies_input=modifies_input,
         returns_input=returns_input,
         policies=costs,
     )
     return layer, next_input
+
+
+def _what_stays(
+    item: Callable[..., Any], x: Any, device: torch.device
+) -> tuple[bool, bool]:
+    """Whether the item's input, and its output, stay alive after its forward
+    with grad while its graph does, once the caller lets go of them (see
+    :attr:`LayerProfile.input_held`): measured by the bytes that dropping
+    each frees."""
+    with track_memory(device) as mem:
+        inputs = _fresh(x)
+        input_bytes = _nbytes(inputs)
+        out = item(inputs)
+        output_bytes = _nbytes(out)
+        roots = _roots(out)  # the graph, as the rest of the chain holds it
+        before = mem.live_bytes()
+        del inputs
+        after_input = mem.live_bytes()
+        del out
+        after_output = mem.live_bytes()
+        del roots
+    _clear_input_grads(x)
+    return (
+        before - after_input < input_bytes,
+        after_input - after_output < output_bytes,
+    )
 
 
 def _nograd_forward(

@@ -76,9 +76,12 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
             for j, forward, nograd in model.cuts(i, last) if model.can_start[i] else ():
                 rest_need, rest_time, _ = best[j, last]
                 inner_need, inner_time, _ = best[i, j - 1]
-                kept = model.stretch_kept(0, i, j)
+                held_in = model.hold_in[i]
+                kept = model.stretch_kept(0, i, j) + held_in
                 need = max(
-                    delta + nograd + kept, model.a[j] + kept + rest_need, inner_need
+                    delta + nograd + kept,
+                    model.a_held[j] + kept + rest_need,
+                    inner_need + held_in,
                 )
                 seconds = forward + rest_time + inner_time
                 if (need, seconds) < candidate[:2]:
@@ -120,7 +123,8 @@ class _Tables:
     def __init__(self, model: CostModel) -> None:
         n = len(model)
         f64 = torch.float64
-        self.a = torch.tensor(model.a, dtype=f64)
+        self.a_held = torch.tensor(model.a_held, dtype=f64)
+        self.hold_in = torch.tensor(model.hold_in, dtype=f64)
         self.kept = torch.tensor(model.kept, dtype=f64)
         self.forward_peak = torch.tensor(model.forward_peak, dtype=f64)
         self.held = torch.tensor(model.held, dtype=f64)
@@ -242,7 +246,7 @@ def _plan_at(
     choices: _Choices, model: CostModel, budget: float, slots: int, s: int
 ) -> Plan:
     unit = budget / slots
-    a = [_slots(x, unit) for x in model.a]
+    a = [_slots(x, unit) for x in model.a_held]
     kept_slots = [_slots(x, unit) for x in model.kept]
     return Plan(
         _merge(_rebuild(choices, model, kept_slots, a, unit, 0, len(model) - 1, s))
@@ -273,7 +277,7 @@ def _table(
     Tx = torch.full((n, n, width), inf, dtype=dtype)
     C = torch.full((n, n, width), -1, dtype=torch.int32)
     tie = _REGION_TIE_BREAK * max(1e-12, float(tables.step.mean())) / n
-    a_slots = _ceil_slots(tables.a, unit)
+    a_slots = _ceil_slots(tables.a_held, unit)
     policies = len(model.policies)
 
     for d in range(n):
@@ -303,12 +307,16 @@ def _table(
             ties = tie * (cuts - firsts).to(torch.float64) ** 2
             nograd = tables.nograd[firsts, cuts]
             flat = tables.flat[firsts, cuts]
+            # the stretch's input, where nothing before it holds it
+            held_in = tables.hold_in[firsts]
             for p in range(policies):
                 if p == 0:  # no policy: the inner stretch solved optimally
                     # holding what its forward leaves alive (autocast's casts)
-                    kept = tables.K[0][cuts] - tables.K[0][firsts]
+                    kept = tables.K[0][cuts] - tables.K[0][firsts] + held_in
                     total = _gather_shifted(after, _ceil_slots(kept, unit))
-                    total += T[firsts, cuts - 1]
+                    total += _gather_shifted(
+                        T[firsts, cuts - 1], _ceil_slots(held_in, unit)
+                    )
                     total += (forward + ties).to(dtype)[..., None]
                     need = _ceil_slots(delta[:, None] + nograd + kept, unit)
                 else:  # a flat recompute under the policy, holding what it keeps
@@ -320,6 +328,7 @@ def _table(
                     m = int(fits.max()) + 1
                     c, f = cuts[:, :m], firsts[:, :m]
                     kept = tables.K[p][c] - tables.K[p][f] - tables.OK[p][c - 1]
+                    kept += held_in[:, :m]
                     seconds = tables.PF[p][c] - tables.PF[p][f]
                     seconds += tables.R[p][c] - tables.R[p][f]
                     seconds += tables.B[c] - tables.B[f] + ties[:, :m]
@@ -327,7 +336,7 @@ def _table(
                     total += seconds.to(dtype)[..., None]
                     need = torch.maximum(
                         _ceil_slots(delta[:, None] + nograd[:, :m] + kept, unit),
-                        _ceil_slots(flat[:, :m], unit),
+                        _ceil_slots(flat[:, :m] + held_in[:, :m], unit),
                     )
                 total.masked_fill_(s_range < need[..., None], inf)
                 ckpt, cut = total.min(dim=1)  # (stretches, slots)
@@ -369,12 +378,14 @@ def _rebuild(
             i += 1
             continue
         p, j = divmod(c, n + 1)
+        held_in = model.hold_in[i]
         if p == 0:
-            inner = _rebuild(choices, model, kept, a, unit, i, j - 1, s)
+            inner_slots = s - _slots(held_in, unit)
+            inner = _rebuild(choices, model, kept, a, unit, i, j - 1, inner_slots)
             items.append(Recompute(i, j, Plan(_merge(inner))))
-            s -= a[j] + _slots(model.stretch_kept(0, i, j), unit)
+            s -= a[j] + _slots(model.stretch_kept(0, i, j) + held_in, unit)
         else:
-            stretch_kept = model.stretch_kept(p, i, j)
+            stretch_kept = model.stretch_kept(p, i, j) + held_in
             items.append(Recompute(i, j, Plan((Run(i, j),)), model.policies[p]))
             s -= a[j] + _slots(stretch_kept, unit)
         i = j
