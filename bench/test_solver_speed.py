@@ -45,7 +45,7 @@ def synthetic_chain(n: int, policies: bool) -> ChainProfile:
                 forward_peak_bytes=act * (3 + i % 2),
                 nograd_peak_bytes=act * 2,
                 backward_peak_bytes=act * 3,
-                # what a checkpointed forward leaves (RNG state, autocast's
+                # what a checkpointed forward leaves (buffer copies, autocast's
                 # weight casts): nonzero in real profiles, so timed here too
                 region_kept_bytes=act // 16,
                 policies=costs,

@@ -22,9 +22,8 @@ it), so every backward and every recompute runs with it.
   backward runs outside the block, as it usually does);
 - recompute ``i..j-1`` under a policy (selective saving): its forward also keeps
   what the policy selects (in ``K``) and takes its measured time under the
-  policy, and the
-  recompute of the layers its inner plan runs plainly takes their measured
-  recompute time instead of a full forward.
+  policy, and the recompute of the layers its inner plan runs plainly takes
+  their measured recompute time instead of a full forward.
 
 An activation that neither the layer making it nor the layer using it holds
 (a linear layer's output before a ReLU or dropout, a frozen layer's before the

@@ -66,8 +66,10 @@ class LayerProfile:
             recompute: under ``torch.autocast`` with its cache on (the
             default), the low-precision copy of every weight it casts (held by
             autocast's cache until the autocast block ends, whatever a region
-            drops), the RNG state and buffer copies the region keeps to replay,
-            and tensors a module stores on itself.
+            drops), the buffer copies the region keeps to replay, and tensors a
+            module stores on itself (the CPU generator's 5 KB state a region
+            keeps is not an op's output, which the tracker sees, and is left
+            out).
         input_held: something still holds its input after its forward, while
             its graph lives: its graph saved it (a linear layer, for the weight
             gradient), its output is a view of it, or a module stores it.
@@ -514,8 +516,8 @@ def _region_kept(
     alive after its forward until its recompute: the live bytes then, less
     its output unless the policy keeps that; and whether it does. Besides
     what a policy keeps, that is what autocast's cache holds (the casts of
-    the weights the item uses), the RNG state and buffer copies the region
-    keeps, and tensors a module stores on itself."""
+    the weights the item uses), the buffer copies the region keeps, and
+    tensors a module stores on itself."""
     options = Options(early_stop=False, policy=policy)
     inputs = _fresh(x)  # made outside the tracker: the caller holds it
     with track_memory(device) as mem:
