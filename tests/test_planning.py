@@ -430,3 +430,7 @@ def test_plans_under_autocast_hold_their_predicted_peaks() -> None:
         assert (plan.checkpoints() > 0) == (share < 1.0)
         measured = measure_peak(model, x, partial(step, plan=plan), "cpu")
         assert measured <= plan.predicted_peak_bytes * 1.01, (share, str(plan))
+    # Backward runs after the autocast block, which empties the cache: the
+    # profile measures each item's backward so (keeping everything measured
+    # 0.89x its prediction when the casts stayed cached through it).
+    assert measured >= plan.predicted_peak_bytes * 0.97
