@@ -398,8 +398,6 @@ class Frontier:
             self.plans.append(Plan(plan.items))
         return floor
 
-    # ------------------------------------------------------------------- JSON
-
     def _check_image_size(self, images: tuple[tuple[int, ...], ...]) -> None:
         if (
             self.images is None
@@ -418,6 +416,8 @@ class Frontier:
             "batch of that size), or use segments='auto', which does.",
             stacklevel=3,
         )
+
+    # ------------------------------------------------------------------- JSON
 
     def to_json(self) -> str:
         """The frontier as JSON: its profiles and stored plans."""

@@ -317,8 +317,9 @@ class CostModel:
                         if isinstance(run, Run)
                         for k in range(run.start, run.stop)
                     )
-                kept += self.hold_in[item.start]
-                here = max(delta + nograd + kept, inner_need + self.hold_in[item.start])
+                held_in = self.hold_in[item.start]
+                kept += held_in
+                here = max(delta + nograd + kept, inner_need + held_in)
                 if need is not None:
                     here = max(here, self.a_held[item.stop] + kept + need)
                 need = here

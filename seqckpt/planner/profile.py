@@ -67,9 +67,8 @@ class LayerProfile:
             default), the low-precision copy of every weight it casts (held by
             autocast's cache until the autocast block ends, whatever a region
             drops), the buffer copies the region keeps to replay, and tensors a
-            module stores on itself (the CPU generator's 5 KB state a region
-            keeps is not an op's output, which the tracker sees, and is left
-            out).
+            module stores on itself (not the CPU generator's 5 KB state a
+            region keeps: the tracker sees only the outputs of ops).
         input_held: something still holds its input after its forward, while
             its graph lives: its graph saved it (a linear layer, for the weight
             gradient), its output is a view of it, or a module stores it.
