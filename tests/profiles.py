@@ -14,12 +14,14 @@ def layer(
     *,
     saved: int | None = None,
     region_kept: int = 0,
+    region_cast: int = 0,
     input_held: bool = True,
     output_held: bool = True,
 ) -> LayerProfile:
     """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``),
-    and ``region_kept`` when recomputed (autocast's casts); ``input_held`` and
-    ``output_held`` as :class:`LayerProfile` has them."""
+    and ``region_kept`` when recomputed until its recompute, besides
+    ``region_cast`` until the forward ends (autocast's casts); ``input_held``
+    and ``output_held`` as :class:`LayerProfile` has them."""
     kept = act if saved is None else saved
     return LayerProfile(
         name="synthetic",
@@ -32,7 +34,8 @@ def layer(
         forward_peak_bytes=kept,
         nograd_peak_bytes=act,
         backward_peak_bytes=2 * act,
-        region_kept_bytes=region_kept,
+        region_kept_bytes=region_kept + region_cast,
+        region_cast_bytes=region_cast,
         input_held=input_held,
         output_held=output_held,
     )

@@ -404,7 +404,10 @@ def test_plans_under_autocast_hold_their_predicted_peaks() -> None:
     # every weight a recomputed stretch casts stays in the cache until the
     # autocast block ends, though the region drops what it saved, so plans
     # must count it (on this chain, where the copies dominate, plans measured
-    # 1.3x-2.0x their predicted peak when they did not).
+    # 1.3x-2.0x their predicted peak when they did not). The block ends before
+    # backward: counted until the recompute instead, the smallest feasible
+    # budget was a third above the least peak a plan measures (0.98x the
+    # keep-everything peak here).
     from seqckpt.planner.frontier import measure_peak
     from seqckpt.planner.solver import smallest_peak
 
@@ -415,10 +418,12 @@ def test_plans_under_autocast_hold_their_predicted_peaks() -> None:
     x = torch.randn(4, 256, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         prof = seqckpt.profile(model, x, repeats=1)
-    assert all(layer.region_kept_bytes > 0 for layer in prof.layers[::2])
+    weights = 2 * (256 * 256 + 256)  # bf16 copies of a Linear's weight and bias
+    assert [layer.region_cast_bytes for layer in prof.layers] == [weights] * 6
     top = seqckpt.plan(model, x, None, profile=prof)
     assert top.predicted_peak_bytes is not None
     least, _ = smallest_peak(prof)
+    assert least < 0.85 * top.predicted_peak_bytes
 
     def step(m: nn.Module, t: torch.Tensor, plan: Plan) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -429,8 +434,7 @@ def test_plans_under_autocast_hold_their_predicted_peaks() -> None:
         plan = seqckpt.plan(model, x, budget, profile=prof)
         assert (plan.checkpoints() > 0) == (share < 1.0)
         measured = measure_peak(model, x, partial(step, plan=plan), "cpu")
-        assert measured <= plan.predicted_peak_bytes * 1.01, (share, str(plan))
-    # Backward runs after the autocast block, which empties the cache: the
-    # profile measures each item's backward so (keeping everything measured
-    # 0.89x its prediction when the casts stayed cached through it).
-    assert measured >= plan.predicted_peak_bytes * 0.97
+        # (backward runs after the autocast block, which empties the cache:
+        # the profile measures each item's backward so)
+        ratio = measured / plan.predicted_peak_bytes
+        assert 0.97 <= ratio <= 1.01, (share, ratio, str(plan))

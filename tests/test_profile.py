@@ -199,6 +199,36 @@ def test_policy_costs_include_the_forward_under_the_policy() -> None:
         assert layer.forward_time_under(layer.policies[0]) == layer.forward_time
 
 
+def test_autocasts_cached_casts_are_measured_apart() -> None:
+    # Under autocast a checkpointed Linear leaves its bf16 weight and bias in
+    # autocast's cache until the block ends (before backward): measured apart
+    # from what a region keeps until its recompute, with and without a policy,
+    # and read back from JSON (profiles written before the field read 0).
+    from seqckpt.planner import ChainProfile
+
+    chain = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prof = seqckpt.profile(chain, x, repeats=1, policies=("compute_heavy",))
+    weights = 2 * (64 * 64 + 64)
+    casts = [layer.region_cast_bytes for layer in prof.layers]
+    assert casts == [weights, 0, weights]
+    assert [layer.policies[0].cast_bytes for layer in prof.layers] == casts
+    for layer in prof.layers:
+        assert layer.region_kept_bytes >= layer.region_cast_bytes
+        assert layer.policies[0].kept_bytes >= layer.policies[0].cast_bytes
+    assert ChainProfile.from_dict(prof.to_dict()) == prof
+    data = prof.to_dict()
+    for row in data["layers"]:
+        del row["region_cast_bytes"]
+        del row["policies"][0]["cast_bytes"]
+    old = ChainProfile.from_dict(data)
+    assert all(layer.region_cast_bytes == 0 for layer in old.layers)
+    assert all(layer.policies[0].cast_bytes == 0 for layer in old.layers)
+    plain = seqckpt.profile(chain, x, repeats=1)
+    assert all(layer.region_cast_bytes == 0 for layer in plain.layers)
+
+
 def test_a_profile_under_fake_tensors_measures_the_same_bytes() -> None:
     # Under FakeTensorMode nothing is allocated and every data pointer reads 0:
     # storages must be told apart by identity, or the bytes a policy keeps

@@ -3,6 +3,7 @@ answers and against brute force over every plan of small chains."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -114,7 +115,7 @@ def profiles(draw: st.DrawFn) -> tuple[ChainProfile, int]:
             draw(st.integers(1, 9)) / 4,
             draw(st.integers(1, 9)) / 4,
             saved=draw(st.integers(1, 80)) * 1000,
-            # what a recomputed stretch still holds (autocast's casts)
+            # what a recomputed stretch still holds until its recompute
             region_kept=draw(st.sampled_from([0, 0, 1, 7, 20])) * 1000,
             # an output neither it nor the next layer holds (before a ReLU)
             input_held=draw(st.booleans()),
@@ -146,6 +147,58 @@ def assert_fastest(prof: ChainProfile, budget: int) -> None:
 @given(profiles())
 def test_dp_matches_brute_force(case: tuple[ChainProfile, int]) -> None:
     assert_fastest(*case)
+
+
+@st.composite
+def profiles_with_casts(draw: st.DrawFn) -> tuple[ChainProfile, int]:
+    prof, _ = draw(profiles())
+    layers = [
+        dataclasses.replace(
+            p,
+            region_cast_bytes=(cast := draw(st.sampled_from([0, 5, 20, 60])) * 1000),
+            region_kept_bytes=p.region_kept_bytes + cast,
+        )
+        for p in prof.layers
+    ]
+    prof = chain_profile(layers)
+    model = CostModel.of(prof)
+    everything = [model.total(items)[0] for items in all_items(0, len(model))]
+    top = model.total((Run(0, len(model)),))[0]
+    return prof, draw(st.integers(min(everything), max(min(everything), top)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(profiles_with_casts())
+def test_with_casts_plans_fit_and_beat_the_bound_that_keeps_them(
+    case: tuple[ChainProfile, int],
+) -> None:
+    # Autocast's casts live until the forward ends: the DP, one memory figure
+    # per sub-chain, is exact on two bounds instead (casts kept until the
+    # recompute, casts dropped), and the plan is the fastest of theirs that
+    # fits. It always fits, and is never slower than the best plan of the
+    # upper bound (the model before casts were told apart). It can miss the
+    # exact optimum: on random chains of 2 to 5 layers drawn like these, one
+    # budget in a hundred got a slower plan (by a median 9%), and the least
+    # peak found (the least of the two bounds' least-memory plans) was above
+    # the exact least on 15% to 22% of the chains (by a median 8%), so 4% to
+    # 6% of the budgets between the two found no plan.
+    prof, budget = case
+    model = CostModel.of(prof)
+    upper = model.bounds()[0]
+    upper_floor, _ = least_memory(upper)
+    floor, _ = least_memory(model)
+    assert floor <= upper_floor
+    try:
+        plan = fastest_plan(prof, budget)
+    except PlanError:
+        assert budget < floor
+        return
+    assert plan.predicted_peak_bytes is not None and plan.predicted_time is not None
+    assert plan.predicted_peak_bytes == model.total(plan.items)[0] <= budget
+    for items in all_items(0, len(model)):
+        need, seconds = upper.total(items)
+        if need <= budget:
+            assert plan.predicted_time <= seconds + 1e-6, (items, need, seconds)
 
 
 def test_a_stretch_holds_the_input_nothing_before_it_holds() -> None:

@@ -83,6 +83,7 @@ _BYTES = (
     "nograd_peak_bytes",
     "backward_peak_bytes",
     "region_kept_bytes",
+    "region_cast_bytes",
 )
 _TIMES = ("forward_time", "backward_time")
 # A time predicted for a smaller size never drops below this share of the
@@ -155,6 +156,7 @@ def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
                 _seconds_at(
                     size, [(x, m.forward_time_under(m.policies[q])) for x, m in at]
                 ),
+                _bytes_at(size, [(x, m.policies[q].cast_bytes) for x, m in at]),
             )
             for q, cost in enumerate(layer.policies)
         )

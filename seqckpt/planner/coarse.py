@@ -54,6 +54,7 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
             sum(p.policies[q].recompute_time for p in layers),
             layers[-1].policies[q].keeps_output,
             sum(p.forward_time_under(p.policies[q]) for p in layers),
+            sum(p.policies[q].cast_bytes for p in layers),
         )
         for q, cost in enumerate(layers[0].policies)
     )
@@ -71,6 +72,7 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
         nograd_peak_bytes=nograd_peak,
         backward_peak_bytes=max(0, backward_need - held),
         region_kept_bytes=sum(p.region_kept_bytes for p in layers),
+        region_cast_bytes=sum(p.region_cast_bytes for p in layers),
         input_held=layers[0].input_held,
         output_held=layers[-1].output_held,
         modifies_input=not can_start,

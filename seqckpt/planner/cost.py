@@ -15,11 +15,13 @@ it), so every backward and every recompute runs with it.
 - recompute ``i..j-1``, then the rest: a forward of ``i..j-1`` that keeps
   nothing for backward, the rest with ``x_j`` held, then the inner plan of
   ``i..j-1`` with the gradient of ``x_j`` live. What the stretch's forward
-  leaves alive even so (``K`` bytes, counted from that forward until its
-  recompute) is its layers' ``region_kept_bytes``: under ``torch.autocast``
-  with its cache on, mostly the weight casts the cache holds until the
-  autocast block ends (charged until the recompute: on the safe side when
-  backward runs outside the block, as it usually does);
+  leaves alive even so is its layers' ``region_kept_bytes``, in two parts:
+  the casts autocast's cache holds (``region_cast_bytes``: under
+  ``torch.autocast`` with its cache on, a low-precision copy of every weight
+  it casts), charged until the forward ends (the autocast block ends before
+  backward in torch's recipe, and a recompute's own block when that
+  recompute ends), and the rest (buffer copies a region keeps to replay,
+  tensors a module stores on itself) charged until the stretch's recompute;
 - recompute ``i..j-1`` under a policy (selective saving): its forward also keeps
   what the policy selects (in ``K``) and takes its measured time under the
   policy, and the recompute of the layers its inner plan runs plainly takes
@@ -31,15 +33,22 @@ next) lives only through its consumer's forward: it is charged there (inside
 that layer's forward peak, or as the input a checkpointed stretch starting
 there holds), not to the layer or stretch that made it.
 
-The solver (:mod:`seqckpt.planner.solver`) optimises exactly this model over
-plans whose stretches with a policy recompute flat (their inner plan keeps every
-layer); stretches without a policy may nest.
+So a plan's peak is the larger of two: its forward's, with the casts, and its
+backward's, without them (:meth:`CostModel.phases`). The solver
+(:mod:`seqckpt.planner.solver`) optimises exactly this model over plans whose
+stretches with a policy recompute flat (their inner plan keeps every layer);
+stretches without a policy may nest. Where there are casts, its dynamic program
+is exact on two bounds of this model instead (:meth:`CostModel.bounds`), and the
+plan is the fastest of theirs that fits under this one. The buffer copies of
+stretches nested in a recomputed stretch (:meth:`CostModel.nested_kept`, a few
+KiB per BatchNorm) are not seen by the dynamic program either; every plan it
+gives is checked against this model, so none is over the budget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from seqckpt.planner.profile import ChainProfile
 from seqckpt.planner.tree import Item, Plan, PlanError, Recompute, Run
@@ -60,7 +69,9 @@ class CostModel:
     (``policies[0]`` is None), ``kept_by[p][k]`` what layer ``k`` keeps under it
     from its forward to its recompute (for None its ``region_kept_bytes``;
     its output included when kept: ``output_kept_by[p][k]`` bytes, not kept
-    again when the layer ends a stretch), ``recompute_by[p][k]`` the seconds
+    again when the layer ends a stretch), ``cast_by[p][k]`` what it keeps
+    besides until the forward ends (autocast's cached casts; for None its
+    ``region_cast_bytes``), ``recompute_by[p][k]`` the seconds
     of its recompute under it and ``forward_by[p][k]`` those of its
     checkpointed forward under it (choosing what to keep costs time).
     ``a_held[k]`` is what a stretch ending before layer ``k`` holds of its
@@ -84,6 +95,7 @@ class CostModel:
     can_start: list[bool]
     policies: list[Policy | None]
     kept_by: list[list[int]]
+    cast_by: list[list[int]]
     output_kept_by: list[list[int]]
     recompute_by: list[list[float]]
     forward_by: list[list[float]]
@@ -131,9 +143,14 @@ class CostModel:
             backward_time=[p.backward_time for p in layers],
             can_start=[not u for u in unsafe[:-1]],
             policies=[None, *profile.policies],
-            kept_by=[[p.region_kept_bytes for p in layers]]
+            kept_by=[[p.region_kept_bytes - p.region_cast_bytes for p in layers]]
             + [
-                [p.policies[q].kept_bytes for p in layers]
+                [p.policies[q].kept_bytes - p.policies[q].cast_bytes for p in layers]
+                for q in range(len(profile.policies))
+            ],
+            cast_by=[[p.region_cast_bytes for p in layers]]
+            + [
+                [p.policies[q].cast_bytes for p in layers]
                 for q in range(len(profile.policies))
             ],
             # (a passing output is not held by the stretch it ends: the
@@ -161,10 +178,49 @@ class CostModel:
         )
 
     def stretch_kept(self, p: int, start: int, stop: int) -> int:
-        """Bytes a stretch ``start..stop-1`` keeps under policy ``p`` (its own
-        output, held anyway, not counted)."""
+        """Bytes a stretch ``start..stop-1`` keeps under policy ``p`` until its
+        recompute (its own output, held anyway, not counted)."""
         kept = sum(self.kept_by[p][k] for k in range(start, stop))
         return kept - self.output_kept_by[p][stop - 1]
+
+    def stretch_cast(self, p: int, start: int, stop: int) -> int:
+        """Bytes a stretch ``start..stop-1`` keeps under policy ``p`` until the
+        forward it runs in ends (autocast's cached casts)."""
+        return sum(self.cast_by[p][k] for k in range(start, stop))
+
+    def nested_kept(self, items: tuple[Item, ...]) -> int:
+        """What the stretches nested in an inner plan keep while the stretch
+        holding them waits for its recompute: its forward runs them as regions
+        too (as torch's nested checkpoints do), and each keeps its own copies
+        of the buffers it writes until that recompute makes it anew (what a
+        region without a policy keeps; what a policy keeps goes with the
+        outer region's saved tensors)."""
+        kept = 0
+        for item in items:
+            if isinstance(item, Recompute):
+                kept += self.stretch_kept(0, item.start, item.stop)
+                kept += self.nested_kept(item.inner.items)
+        return kept
+
+    def bounds(self) -> tuple[CostModel, ...]:
+        """Models without casts (:attr:`cast_by` all 0) whose peaks bound this
+        one's from both sides, for the dynamic program, which holds one memory
+        figure per sub-chain where casts would need two (what the rest may use
+        in its forward and in its backward): first the casts kept until the
+        recompute (never below this model's peak), then the casts dropped
+        (never above). Only the first where there are no casts."""
+        if not any(any(row) for row in self.cast_by):
+            return (self,)
+        zero = [[0] * len(row) for row in self.cast_by]
+        upper = replace(
+            self,
+            kept_by=[
+                [k + c for k, c in zip(kept, cast, strict=True)]
+                for kept, cast in zip(self.kept_by, self.cast_by, strict=True)
+            ],
+            cast_by=zero,
+        )
+        return (upper, replace(self, cast_by=zero))
 
     def policy_index(self, policy: Policy | None) -> int:
         """The index of ``policy`` among :attr:`policies`."""
@@ -295,16 +351,28 @@ class CostModel:
     def cost(self, items: tuple[Item, ...], delta: int) -> tuple[int, float]:
         """(peak bytes, seconds) of ``items`` with ``delta`` bytes of output
         gradient live."""
-        need: int | None = None  # what the items after the current one need
+        forward, backward, seconds = self.phases(items, delta)
+        return max(forward, backward), seconds
+
+    def phases(self, items: tuple[Item, ...], delta: int) -> tuple[int, int, float]:
+        """The peak bytes of ``items``' forward and of their backward, and their
+        seconds, with ``delta`` bytes of output gradient live. What a stretch
+        keeps counts in both; its casts (:attr:`cast_by`) in the forward only.
+        An inner plan runs in the backward: both its peaks count there."""
+        fwd: int | None = None  # what the items after the current one need
+        bwd = 0
         seconds = 0.0
         for item in reversed(items):
             if isinstance(item, Recompute):
-                inner_need, inner_time = self.cost(
+                inner_fwd, inner_bwd, inner_time = self.phases(
                     item.inner.items, self.output_grad(item.stop - 1)
                 )
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
                 p = 0 if item.policy is None else self.policy_index(item.policy)
-                kept = self.stretch_kept(p, item.start, item.stop)
+                held_in = self.hold_in[item.start]
+                kept = self.stretch_kept(p, item.start, item.stop) + held_in
+                kept += self.nested_kept(item.inner.items)
+                cast = self.stretch_cast(p, item.start, item.stop)
                 if p:
                     forward = sum(
                         self.forward_by[p][k] for k in range(item.start, item.stop)
@@ -317,22 +385,25 @@ class CostModel:
                         if isinstance(run, Run)
                         for k in range(run.start, run.stop)
                     )
-                held_in = self.hold_in[item.start]
-                kept += held_in
-                here = max(delta + nograd + kept, inner_need + held_in)
-                if need is not None:
-                    here = max(here, self.a_held[item.stop] + kept + need)
-                need = here
+                here_fwd = delta + nograd + kept + cast
+                here_bwd = max(inner_fwd, inner_bwd) + held_in
+                if fwd is not None:
+                    out = self.a_held[item.stop] + kept
+                    here_fwd = max(here_fwd, out + cast + fwd)
+                    here_bwd = max(here_bwd, out + bwd)
+                fwd, bwd = here_fwd, here_bwd
                 seconds += forward + inner_time
                 continue
             for i in reversed(range(item.start, item.stop)):
-                here = self.keep_alone(i, delta)
-                if need is not None:
-                    here = max(here, self.kept[i] + need)
-                need = here
+                here_fwd = delta + self.forward_peak[i]
+                here_bwd = self.held[i] + self.backward_peak[i]
+                if fwd is not None:
+                    here_fwd = max(here_fwd, self.kept[i] + fwd)
+                    here_bwd = max(here_bwd, self.kept[i] + bwd)
+                fwd, bwd = here_fwd, here_bwd
                 seconds += self.forward_time[i] + self.backward_time[i]
-        assert need is not None
-        return need, seconds
+        assert fwd is not None
+        return fwd, bwd, seconds
 
 
 def plan_cost(plan: Plan, profile: ChainProfile) -> tuple[int, float]:

@@ -69,6 +69,11 @@ class LayerProfile:
             drops), the buffer copies the region keeps to replay, and tensors a
             module stores on itself (not the CPU generator's 5 KB state a
             region keeps: the tracker sees only the outputs of ops).
+        region_cast_bytes: of ``region_kept_bytes``, what autocast's cache
+            holds: freed when the autocast block ends, which in torch's
+            mixed-precision recipe is before backward (and inside a recompute,
+            when that recompute ends), so the cost model charges it through
+            the forward only.
         input_held: something still holds its input after its forward, while
             its graph lives: its graph saved it (a linear layer, for the weight
             gradient), its output is a view of it, or a module stores it.
@@ -96,6 +101,7 @@ class LayerProfile:
     nograd_peak_bytes: int
     backward_peak_bytes: int
     region_kept_bytes: int = 0
+    region_cast_bytes: int = 0
     input_held: bool = True
     output_held: bool = True
     modifies_input: bool = False
@@ -123,6 +129,8 @@ class PolicyCost:
         forward_time: seconds of its checkpointed forward under the policy
             (choosing what to keep costs time on every op); None in profiles
             written before it was measured, read as the plain forward's time.
+        cast_bytes: of ``kept_bytes``, what autocast's cache holds (see
+            :attr:`LayerProfile.region_cast_bytes`).
     """
 
     policy: Policy
@@ -130,6 +138,7 @@ class PolicyCost:
     recompute_time: float
     keeps_output: bool = False
     forward_time: float | None = None
+    cast_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -207,6 +216,7 @@ class ChainProfile:
                     "recompute_time": c.recompute_time,
                     "keeps_output": c.keeps_output,
                     "forward_time": c.forward_time,
+                    "cast_bytes": c.cast_bytes,
                 }
                 for c in p.policies
             ]
@@ -226,6 +236,7 @@ class ChainProfile:
                     float(c["recompute_time"]),
                     bool(c.get("keeps_output", False)),
                     None if c.get("forward_time") is None else float(c["forward_time"]),
+                    int(c.get("cast_bytes", 0)),
                 )
                 for c in row.get("policies", ())
             )
@@ -435,8 +446,10 @@ def _profile_item(
     input_held, output_held = _what_stays(item, x, device)
     # An item that writes into its input cannot be a region by itself; it is
     # charged as recomputed in full, keeping nothing.
-    region_kept = (
-        0 if modifies_input else _region_kept(item, x, device, None, output_bytes)[0]
+    region_kept, _, region_cast = (
+        (0, False, 0)
+        if modifies_input
+        else _region_kept(item, x, device, None, output_bytes)
     )
     costs = tuple(
         PolicyCost(policy, 0, forward_time, forward_time=forward_time)
@@ -458,6 +471,7 @@ def _profile_item(
         nograd_peak_bytes=nograd.peak_bytes,
         backward_peak_bytes=backward_peak,
         region_kept_bytes=region_kept,
+        region_cast_bytes=region_cast,
         input_held=input_held,
         output_held=output_held,
         modifies_input=modifies_input,
@@ -517,13 +531,14 @@ def _region_kept(
     device: torch.device,
     policy: Policy | None,
     output_bytes: int,
-) -> tuple[int, bool]:
+) -> tuple[int, bool, int]:
     """What ``item`` checkpointed under ``policy`` (None: no policy) leaves
     alive after its forward until its recompute: the live bytes then, less
-    its output unless the policy keeps that; and whether it does. Besides
-    what a policy keeps, that is what autocast's cache holds (the casts of
-    the weights the item uses), the buffer copies the region keeps, and
-    tensors a module stores on itself."""
+    its output unless the policy keeps that; whether it does; and how much of
+    it autocast's cache holds (the casts of the weights the item uses, freed
+    when the autocast block ends). Besides what a policy keeps and those
+    casts, it is the buffer copies the region keeps to replay and tensors a
+    module stores on itself."""
     options = Options(early_stop=False, policy=policy)
     inputs = _fresh(x)  # made outside the tracker: the caller holds it
     with track_memory(device) as mem:
@@ -534,8 +549,11 @@ def _region_kept(
             kept_storages = _storages([t for t, _, _ in region.kept.entries.values()])
             keeps_output = bool(_storages(out)) and _storages(out) <= kept_storages
         kept = mem.live_bytes() if keeps_output else mem.live_bytes() - output_bytes
+        before = mem.live_bytes()
+        _leave_autocast_cache()
+        cast = before - mem.live_bytes()
     del inputs, out, region
-    return max(0, kept), keeps_output
+    return max(0, kept), keeps_output, max(0, min(cast, kept))
 
 
 def _policy_cost(
@@ -550,7 +568,7 @@ def _policy_cost(
     :func:`_region_kept`), and the median seconds of that forward and of its
     recompute alone (run to its end, as inside a longer stretch)."""
     options = Options(early_stop=False, policy=policy)
-    kept, keeps_output = _region_kept(item, x, device, policy, output_bytes)
+    kept, keeps_output, cast = _region_kept(item, x, device, policy, output_bytes)
     forwards, recomputes = Stopwatch(device), Stopwatch(device)
     for _ in range(repeats):  # timed outside the tracker
         region = _Region(item, (_fresh(x),), {}, options, None)
@@ -563,6 +581,7 @@ def _policy_cost(
         statistics.median(recomputes.seconds()),
         keeps_output,
         statistics.median(forwards.seconds()),
+        cast,
     )
 
 

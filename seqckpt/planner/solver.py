@@ -10,6 +10,10 @@ rest runs) or ``i..j-1`` is checkpointed (``x_j`` stays while ``j..last`` runs, 
 Each choice becomes an item of the plan tree: keep is a :class:`Run`, checkpoint
 is a :class:`Recompute` whose inner plan is the solution of ``C(i, j-1, s)``.
 The table is vectorised over slots with torch, so 100 layers take about a second.
+Under autocast, whose cached casts the cost model charges through the forward
+only, the table is filled twice, on the model's two bounds
+(:meth:`~seqckpt.planner.cost.CostModel.bounds`), and the fastest plan of either
+that fits the model itself is taken: not always the optimum of that model.
 """
 
 from __future__ import annotations
@@ -55,7 +59,19 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
 
     Exact in bytes (no slots): ``M(i, last)`` is the least memory for layers
     ``i..last`` with the gradient of the output live. Ties go to the faster plan.
+    Where the model has casts, the least of its two bounds' plans
+    (:meth:`CostModel.bounds`), which may be above the exact least.
     """
+    found = []
+    for bound in model.bounds():
+        plan = _least_memory(bound)
+        need, seconds = model.total(plan.items)
+        found.append((need, seconds, plan))
+    need, _, plan = min(found, key=lambda f: f[:2])
+    return need, plan
+
+
+def _least_memory(model: CostModel) -> Plan:
     n = len(model)
     best: dict[tuple[int, int], tuple[int, float, int]] = {}  # need, time, choice
     for d in range(n):
@@ -88,7 +104,7 @@ def least_memory(model: CostModel) -> tuple[int, Plan]:
                     candidate = (need, seconds, j)
             best[i, last] = candidate
 
-    return best[0, n - 1][0], Plan(_merge(_rebuild_least(best, 0, n - 1)))
+    return Plan(_merge(_rebuild_least(best, 0, n - 1)))
 
 
 def _rebuild_least(
@@ -180,29 +196,47 @@ def _gather_shifted(table: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 
 def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
-    """The DP on slots of ``budget / slots`` bytes; None when nothing fits.
+    """The fastest plan whose exact peak fits ``budget``, from the DP on each
+    of the model's bounds (:meth:`CostModel.bounds`); None when nothing fits."""
+    found = [
+        _solve_bound(bound, model, budget, slots, above=k == 0)
+        for k, bound in enumerate(model.bounds())
+    ]
+    plans = [(model.total(p.items)[1], p) for p in found if p is not None]
+    return min(plans, key=lambda f: f[0])[1] if plans else None
+
+
+def _solve_bound(
+    bound: CostModel, model: CostModel, budget: int, slots: int, above: bool
+) -> Plan | None:
+    """The DP on ``bound``, on slots of ``budget / slots`` bytes.
 
     Sizes are rounded up to whole slots, so the plan at ``slots`` fits the
     budget, but a faster plan whose exact peak fits may need a few slots more
     once rounded (at most one per term of its peak: fewer than ``n + 3``; a
     torch ``checkpoint_sequential`` plan at exactly its own peak is one). The
     table runs on ``n + 3`` slots more of the same size, and from its top
-    down the first plan whose exact peak fits the budget is taken."""
+    down the first plan whose exact peak under ``model`` fits the budget is
+    taken. When ``bound`` is ``above`` the model (or the model itself), that
+    is at ``slots`` at the latest; below it (casts dropped), the walk goes on
+    down."""
     n = len(model)
     unit = budget / slots
     top = slots + n + 3
-    T, C = _table(model, unit * top, top)
+    T, C = _table(bound, unit * top, top)
     choices = _Choices(C)
     times = T[0, n - 1].tolist()
-    previous = math.inf
-    for s in range(top, slots - 1, -1):
-        if not math.isfinite(times[s]):
+    previous: tuple[Item, ...] = ()
+    for s in range(top, -1, -1):
+        if not math.isfinite(times[s]) or (above and s < slots):
             return None  # times only grow as slots shrink
-        if times[s] == previous and s > slots:
+        if above and s < top and s > slots and times[s] == times[s + 1]:
             continue  # the same time as the plan just rejected: likely it
-        previous = times[s]
-        plan = _plan_at(choices, model, unit * top, top, s)
-        if s == slots or model.total(plan.items)[0] <= budget:
+        plan = _plan_at(choices, bound, unit * top, top, s)
+        if plan.items == previous:
+            continue
+        previous = plan.items
+        if model.total(plan.items)[0] <= budget:
             return plan
     return None
 
@@ -210,19 +244,25 @@ def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
 def frontier_plans(
     model: CostModel, budget: int, slots: int = DEFAULT_SLOTS
 ) -> list[Plan]:
-    """The fastest plan for every budget up to ``budget``, from one solve: the
-    table holds the least time for each number of slots, and each step down
-    that staircase is another plan (the first one the least memory the slots
-    can express, the last one the fastest within ``budget``)."""
-    T, C = _table(model, budget, slots)
-    choices = _Choices(C)
+    """The fastest plan for every budget up to ``budget``, from one solve per
+    bound of the model (:meth:`CostModel.bounds`): the table holds the least
+    time for each number of slots, and each step down that staircase is
+    another plan (the first one the least memory the slots can express, the
+    last one the fastest within ``budget``)."""
     n = len(model)
     plans: list[Plan] = []
-    previous = math.inf
-    for s, value in enumerate(T[0, n - 1].tolist()):
-        if math.isfinite(value) and value < previous:
-            plans.append(_plan_at(choices, model, budget, slots, s))
-            previous = value
+    known: set[tuple[Item, ...]] = set()
+    for bound in model.bounds():
+        T, C = _table(bound, budget, slots)
+        choices = _Choices(C)
+        previous = math.inf
+        for s, value in enumerate(T[0, n - 1].tolist()):
+            if math.isfinite(value) and value < previous:
+                plan = _plan_at(choices, bound, budget, slots, s)
+                previous = value
+                if plan.items not in known:
+                    known.add(plan.items)
+                    plans.append(plan)
     return plans
 
 
