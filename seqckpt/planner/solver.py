@@ -198,16 +198,13 @@ def _gather_shifted(table: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
     """The fastest plan whose exact peak fits ``budget``, from the DP on each
     of the model's bounds (:meth:`CostModel.bounds`); None when nothing fits."""
-    found = [
-        _solve_bound(bound, model, budget, slots, above=k == 0)
-        for k, bound in enumerate(model.bounds())
-    ]
+    found = [_solve_bound(bound, model, budget, slots) for bound in model.bounds()]
     plans = [(model.total(p.items)[1], p) for p in found if p is not None]
     return min(plans, key=lambda f: f[0])[1] if plans else None
 
 
 def _solve_bound(
-    bound: CostModel, model: CostModel, budget: int, slots: int, above: bool
+    bound: CostModel, model: CostModel, budget: int, slots: int
 ) -> Plan | None:
     """The DP on ``bound``, on slots of ``budget / slots`` bytes.
 
@@ -217,9 +214,10 @@ def _solve_bound(
     torch ``checkpoint_sequential`` plan at exactly its own peak is one). The
     table runs on ``n + 3`` slots more of the same size, and from its top
     down the first plan whose exact peak under ``model`` fits the budget is
-    taken. When ``bound`` is ``above`` the model (or the model itself), that
-    is at ``slots`` at the latest; below it (casts dropped), the walk goes on
-    down."""
+    taken: at ``slots`` at the latest when ``bound`` is the model or above
+    it, unless what the DP does not see (:meth:`CostModel.nested_kept`) puts
+    that plan over; the walk then goes on down, as it does on the bound
+    below the model (casts dropped)."""
     n = len(model)
     unit = budget / slots
     top = slots + n + 3
@@ -228,9 +226,9 @@ def _solve_bound(
     times = T[0, n - 1].tolist()
     previous: tuple[Item, ...] = ()
     for s in range(top, -1, -1):
-        if not math.isfinite(times[s]) or (above and s < slots):
+        if not math.isfinite(times[s]):
             return None  # times only grow as slots shrink
-        if above and s < top and s > slots and times[s] == times[s + 1]:
+        if slots < s < top and times[s] == times[s + 1]:
             continue  # the same time as the plan just rejected: likely it
         plan = _plan_at(choices, bound, unit * top, top, s)
         if plan.items == previous:
