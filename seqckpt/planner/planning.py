@@ -337,8 +337,8 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
     """The frontier ``segments="auto"`` keeps for this chain and kind of input
     (``size`` is the input's :func:`input_size`; an image size or signal
     length is a kind of its own, see :func:`image_sizes`): profiled on the
-    first call, and once more at the first size that differs by half (or where
-    measured peaks drifted); then reused for every batch of that kind."""
+    first call, and once more at the first size that differs by a tenth (or
+    where measured peaks drifted); then reused for every batch of that kind."""
     key = _frontier_key(chain, input)
     entry = _FRONTIERS.get(key)
     frontier = entry[1] if entry is not None and _same_items(entry[0], chain) else None
