@@ -3,16 +3,21 @@
 With no arguments it validates the default model on CUDA when available, else on
 the CPU. ``profile`` prints the per-layer table the planner uses; ``plan`` prints
 the plan for a budget with its predicted and measured peak and time, and with
-``--plot`` the memory/time frontier. Bad arguments give one line on stderr and
-exit status 2.
+``--plot`` the memory/time frontier; ``--autocast bf16`` (or ``fp16``) profiles,
+plans and measures the forward under ``torch.autocast``, backward after it, as
+torch's mixed-precision recipe runs a step. Bad arguments give one line on
+stderr and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any, NoReturn
+
+import torch
 
 from seqckpt.models import MODELS
 from seqckpt.planner import PlanError, parse_budget, plan, profile
@@ -27,6 +32,7 @@ from seqckpt.policies import POLICIES
 from seqckpt.validation import make_deterministic, resolve_device, validate
 
 DEFAULT_MODEL = "resnet"
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
             default="none,compute_heavy",
             help="candidate policies of each recomputed stretch, comma-separated "
             "(default none,compute_heavy; 'none' alone: no selective saving)",
+        )
+        p.add_argument(
+            "--autocast",
+            choices=list(AUTOCAST_DTYPES),
+            default=None,
+            help="run each forward under torch.autocast with this dtype (backward "
+            "after it, as in torch's mixed-precision recipe)",
         )
         if name == "plan":
             p.add_argument(
@@ -147,9 +160,23 @@ def _policies(text: str) -> list[str | None]:
     return chosen
 
 
+def _autocast_dtype(args: argparse.Namespace) -> torch.dtype | None:
+    return None if args.autocast is None else AUTOCAST_DTYPES[args.autocast]
+
+
+def _forward_context(
+    args: argparse.Namespace, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
+    dtype = _autocast_dtype(args)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
 def run_profile(args: argparse.Namespace) -> int:
-    model, x, _ = _model_and_input(args)
-    prof = profile(model, x, policies=_policies(args.policies))
+    model, x, device = _model_and_input(args)
+    with _forward_context(args, device):
+        prof = profile(model, x, policies=_policies(args.policies))
     print(json.dumps(prof.to_dict(), indent=1) if args.json else prof.table())
     return 0
 
@@ -159,12 +186,14 @@ def run_plan(args: argparse.Namespace) -> int:
     budget = None if args.budget is None else parse_budget(args.budget, "--budget")
     policies = _policies(args.policies)  # a typo fails before the profile runs
     print(f"seqckpt: profiling {args.model} on {device} ...", file=sys.stderr)
-    prof = profile(model, x, policies=policies)
+    with _forward_context(args, device):
+        prof = profile(model, x, policies=policies)
     try:
         chosen = plan(model, x, budget, profile=prof)
     except PlanError as error:
         raise PlanError(str(error).replace("memory_budget=", "--budget ")) from None
-    measured = measure_step(model, x, chosen, device)
+    autocast = _autocast_dtype(args)
+    measured = measure_step(model, x, chosen, device, autocast=autocast)
     if args.json:
         report = chosen.to_dict()
         report["measured_peak_bytes"] = measured.peak_bytes
@@ -185,9 +214,12 @@ def run_plan(args: argparse.Namespace) -> int:
             prof,
             device,
             progress=lambda what: print(f"seqckpt: measuring {what}", file=sys.stderr),
+            autocast=autocast,
         )
         print(format_frontier(points))
         title = f"{args.model}, batch {x.shape[0]}, {device}"
+        if args.autocast:
+            title += f", {args.autocast} autocast"
         if plot_frontier(points, args.plot, title):
             print(f"seqckpt: frontier drawn in {args.plot}")
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 
 import pytest
@@ -28,6 +30,27 @@ def test_plan_prints_tree_with_predicted_and_measured(
     assert out.startswith("Plan for layers 0-13 (predicted peak")
     assert "recompute" in out
     assert "predicted: peak" in out and "measured:  peak" in out
+
+
+def test_plan_under_autocast_profiles_and_measures_under_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The forward of every measured step under bf16 autocast, backward after
+    # it: the weight casts autocast caches count, and the plan made for them
+    # peaks as predicted.
+    for autocast, cast in ((["--autocast", "bf16"], True), ([], False)):
+        assert main(["profile", "--model", "gpt", "--batch", "2", *autocast]) == 0
+        head, *rows = [
+            re.split(r"\s{2,}", line.strip())
+            for line in capsys.readouterr().out.strip().splitlines()
+        ]
+        column = head.index("of which casts MiB")
+        assert any(float(row[column]) > 0 for row in rows) == cast
+    argv = ["plan", "--model", "gpt", "--batch", "2", "--budget", "6MiB"]
+    assert main([*argv, "--autocast", "bf16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ratio = report["measured_peak_bytes"] / report["predicted_peak_bytes"]
+    assert 0.98 <= ratio <= 1.01, ratio
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,14 @@ def _as_forward(segments: int | Plan | Forward, model: nn.Sequential) -> Forward
     return forward
 
 
+def _under_autocast(forward: Forward, device_type: str, dtype: torch.dtype) -> Forward:
+    def under(m: nn.Sequential, t: Any) -> Any:
+        with torch.autocast(device_type, dtype=dtype):
+            return forward(m, t)
+
+    return under
+
+
 def measure_steps(
     model: nn.Sequential,
     x: Any,
@@ -139,6 +147,7 @@ def measure_steps(
     device: str | torch.device,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> list[StepMeasurement]:
     """Measure each schedule's peak (:func:`measure_peak`) and the median time
     of ``repeats`` :func:`training_step` s, the steps taken side by side: round
@@ -154,6 +163,8 @@ def measure_steps(
         device: where the step runs and memory is measured.
         repeats: rounds of steps; each schedule's time is its median.
         progress: told what is measured next.
+        autocast: a dtype to run each forward under ``torch.autocast`` with
+            (backward after it, as torch's mixed-precision recipe runs it).
 
     Returns:
         One measurement per schedule, in order. The model's gradients and
@@ -161,6 +172,8 @@ def measure_steps(
     """
     dev = torch.device(device)
     forwards = [_as_forward(s, model) for s in schedules]
+    if autocast is not None:
+        forwards = [_under_autocast(f, dev.type, autocast) for f in forwards]
     peaks = []
     for i, forward in enumerate(forwards):
         if progress:
@@ -186,13 +199,15 @@ def measure_step(
     segments: int | Plan | Forward,
     device: str | torch.device,
     repeats: int = 3,
+    autocast: torch.dtype | None = None,
 ) -> StepMeasurement:
     """Measure the peak (:func:`measure_peak`) and the median time of ``repeats``
     :func:`training_step` s of ``model`` run with ``segments`` (anything
     :func:`seqckpt.checkpoint_sequential` takes, or a function
-    ``(model, x) -> output``). The model's gradients and buffers are changed as
-    by any training step."""
-    return measure_steps(model, x, [segments], device, repeats)[0]
+    ``(model, x) -> output``), its forward under ``torch.autocast`` with
+    ``autocast``'s dtype when given. The model's gradients and buffers are
+    changed as by any training step."""
+    return measure_steps(model, x, [segments], device, repeats, autocast=autocast)[0]
 
 
 @dataclass(frozen=True)
@@ -215,13 +230,16 @@ def frontier(
     points: int = 8,
     repeats: int = 3,
     progress: Callable[[str], None] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> list[FrontierPoint]:
     """Measure planned schedules at ``points`` budgets spread from the smallest
     feasible peak to the keep-everything peak (with the profile's policies, and
     without any when it has some), every uniform segment count with seqckpt and
     with ``torch.utils.checkpoint.checkpoint_sequential``, and torch's
     checkpoint of every block, plain and under its selective checkpointing.
-    All are timed side by side (:func:`measure_steps`)."""
+    All are timed side by side (:func:`measure_steps`), their forwards under
+    ``torch.autocast`` with ``autocast``'s dtype when given (profile under it
+    too)."""
     from seqckpt.planner.planning import with_policies
 
     model_costs = CostModel.of(profile)
@@ -250,7 +268,7 @@ def frontier(
         chosen.append(("seqckpt uniform", f"{k}", k, None, None))
         chosen.append(("torch uniform", f"{k}", torch_uniform(k), None, None))
     measured = measure_steps(
-        model, x, [c[2] for c in chosen], device, repeats, progress
+        model, x, [c[2] for c in chosen], device, repeats, progress, autocast
     )
     return [
         FrontierPoint(kind, label, m, peak, time)

@@ -155,7 +155,7 @@ class ChainProfile:
         """The profile as an aligned text table, one row per item."""
         head: tuple[str, ...] = ("#", "item", "fwd ms", "bwd ms", "in MiB",
                 "out MiB", "saved MiB", "fwd peak MiB", "bwd peak MiB",
-                "ckpt kept MiB")  # fmt: skip
+                "ckpt kept MiB", "of which casts MiB")  # fmt: skip
         for policy in self.policies:
             head += (
                 f"{policy} kept MiB",
@@ -176,6 +176,7 @@ class ChainProfile:
                     f"{p.forward_peak_bytes / 2**20:.3f}",
                     f"{p.backward_peak_bytes / 2**20:.3f}",
                     f"{p.region_kept_bytes / 2**20:.3f}",
+                    f"{p.region_cast_bytes / 2**20:.3f}",
                     *(
                         value
                         for c in p.policies
