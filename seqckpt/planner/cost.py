@@ -354,18 +354,28 @@ class CostModel:
         forward, backward, seconds = self.phases(items, delta)
         return max(forward, backward), seconds
 
-    def phases(self, items: tuple[Item, ...], delta: int) -> tuple[int, int, float]:
+    def phases(
+        self, items: tuple[Item, ...], delta: int, last_stretch: bool = False
+    ) -> tuple[int, int, float]:
         """The peak bytes of ``items``' forward and of their backward, and their
         seconds, with ``delta`` bytes of output gradient live. What a stretch
         keeps counts in both; its casts (:attr:`cast_by`) in the forward only.
-        An inner plan runs in the backward: both its peaks count there."""
+        An inner plan runs in the backward: both its peaks count there. The
+        inner plan of the chain's ``last_stretch`` runs with the gradient of
+        the chain's output live through its forward, and its last layer with
+        the chain's output held by the caller besides the copy it recomputes
+        (a layer before counts that output in its ``delta`` and ``held``)."""
+        n = len(self)
+        caller = self.a[n] if last_stretch else 0
         fwd: int | None = None  # what the items after the current one need
         bwd = 0
         seconds = 0.0
         for item in reversed(items):
             if isinstance(item, Recompute):
                 inner_fwd, inner_bwd, inner_time = self.phases(
-                    item.inner.items, self.output_grad(item.stop - 1)
+                    item.inner.items,
+                    self.output_grad(item.stop - 1),
+                    last_stretch=item.stop == len(self),
                 )
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
                 p = 0 if item.policy is None else self.policy_index(item.policy)
@@ -397,13 +407,16 @@ class CostModel:
             for i in reversed(range(item.start, item.stop)):
                 here_fwd = delta + self.forward_peak[i]
                 here_bwd = self.held[i] + self.backward_peak[i]
+                if i == n - 1:
+                    here_fwd += caller
+                    here_bwd += caller
                 if fwd is not None:
                     here_fwd = max(here_fwd, self.kept[i] + fwd)
                     here_bwd = max(here_bwd, self.kept[i] + bwd)
                 fwd, bwd = here_fwd, here_bwd
                 seconds += self.forward_time[i] + self.backward_time[i]
         assert fwd is not None
-        return fwd, bwd, seconds
+        return fwd + caller, bwd, seconds
 
 
 def plan_cost(plan: Plan, profile: ChainProfile) -> tuple[int, float]:
