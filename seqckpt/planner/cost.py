@@ -39,10 +39,12 @@ backward's, without them (:meth:`CostModel.phases`). The solver
 stretches with a policy recompute flat (their inner plan keeps every layer);
 stretches without a policy may nest. Where there are casts, its dynamic program
 is exact on two bounds of this model instead (:meth:`CostModel.bounds`), and the
-plan is the fastest of theirs that fits under this one. The buffer copies of
-stretches nested in a recomputed stretch (:meth:`CostModel.nested_kept`, a few
-KiB per BatchNorm) are not seen by the dynamic program either; every plan it
-gives is checked against this model, so none is over the budget.
+plan is the fastest of theirs that fits under this one. Two smaller terms are
+not seen by the dynamic program either: the buffer copies of stretches nested
+in a recomputed stretch (:meth:`CostModel.nested_kept`, a few KiB per
+BatchNorm) and the copy of the chain's output a recomputed last stretch makes
+(:meth:`CostModel.phases`); every plan it gives is checked against this model,
+so none is over the budget.
 """
 
 from __future__ import annotations
@@ -375,7 +377,7 @@ class CostModel:
                 inner_fwd, inner_bwd, inner_time = self.phases(
                     item.inner.items,
                     self.output_grad(item.stop - 1),
-                    last_stretch=item.stop == len(self),
+                    last_stretch=item.stop == n,
                 )
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
                 p = 0 if item.policy is None else self.policy_index(item.policy)
