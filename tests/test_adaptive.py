@@ -371,3 +371,31 @@ def test_a_smaller_batch_keeps_the_budget_under_autocast() -> None:
     for batch in (8, 6, 7, 5):
         x = torch.randn(batch, 256, requires_grad=True)
         assert measure_peak(wrapped, x, step, "cpu") <= budget, batch
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_auto_warns_when_backward_runs_inside_the_autocast_block(inside: bool) -> None:
+    # segments="auto" plans autocast's cached casts as freed when the autocast
+    # block ends, before backward (torch's recipe); a backward inside the block
+    # keeps them, which the plan does not count: the first step says so.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4)]
+    )
+    wrapped = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget="1MiB"
+    )
+    x = torch.randn(8, 64, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # warned at the first step only
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = wrapped(x).float().sum()
+                if inside:
+                    loss.backward()
+            if not inside:
+                loss.backward()
+    said = [
+        w for w in caught if "backward runs inside the torch.autocast" in str(w.message)
+    ]
+    assert len(said) == (1 if inside else 0)

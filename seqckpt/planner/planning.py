@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -460,6 +461,37 @@ class _PeakCheck:
         roots[0].register_hook(started)  # type: ignore[no-untyped-call]
 
 
+# Frontiers whose first step was checked for a backward inside the autocast
+# block (see _warn_if_backward_under_autocast).
+_CAST_CHECKED: weakref.WeakSet[Frontier] = weakref.WeakSet()
+
+
+def _warn_if_backward_under_autocast(out: Any, device_type: str) -> None:
+    """Warn when the backward through ``out`` starts inside a
+    ``torch.autocast`` block with its cache on: the plans count the weight
+    casts a recomputed stretch leaves in the cache as freed when the block
+    ends, before backward (torch's recipe); inside it they stay until the
+    block ends, and the step can run over the budget."""
+    roots = [t for t in tensors_in(out) if t.requires_grad]
+    if not roots:
+        return
+
+    def started(grad: torch.Tensor) -> None:
+        if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
+            warnings.warn(
+                "seqckpt: backward runs inside the torch.autocast block of the "
+                "forward, with autocast's cache on: the weight casts a recomputed "
+                "stretch leaves in that cache stay until the block ends, but "
+                "segments='auto' plans them as freed when it ends before backward, "
+                "as torch's mixed-precision recipe runs it, so steps can run over "
+                "the budget. Call loss.backward() after the `with torch.autocast"
+                "(...)` block.",
+                stacklevel=2,
+            )
+
+    roots[0].register_hook(started)  # type: ignore[no-untyped-call]
+
+
 def auto_step(
     chain: Sequence[Any],
     input: Any,
@@ -480,18 +512,25 @@ def auto_step(
     if _PeakCheck.current is not None:  # observed on the CPU, or no backward
         _PeakCheck.current.close()
     device = next((t.device for t in tensors_in(input)), None)
+    casts = device is not None and frontier not in _CAST_CHECKED
+    if casts:  # the first step of a frontier: was it profiled under autocast?
+        _CAST_CHECKED.add(frontier)
+        casts = any(p.region_cast_bytes for _, c in frontier.points for p in c.layers)
     if (
         device is None
         or device.type not in AUTO_CHECK_DEVICES
         or not frontier.first_of_class(size)
     ):
-        return run(plan)
-    check = _PeakCheck(frontier, size, plan, device)
-    _PeakCheck.current = check
-    try:
         out = run(plan)
-    except BaseException:
-        check.close()
-        raise
-    check.end_with_backward(out)
+    else:
+        check = _PeakCheck(frontier, size, plan, device)
+        _PeakCheck.current = check
+        try:
+            out = run(plan)
+        except BaseException:
+            check.close()
+            raise
+        check.end_with_backward(out)
+    if casts and device is not None:
+        _warn_if_backward_under_autocast(out, device.type)
     return out
