@@ -331,10 +331,13 @@ def random_items(
     return items
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "resnet"])
 def test_random_plans_peak_as_predicted(name: str) -> None:
     """Whatever the plan (nested, flat, with policies), the measured peak is
-    never above the prediction by more than 1% nor below it by more than 5%."""
+    never above the prediction by more than 0.1% nor below it by more than 5%.
+    (The buffer copies a region keeps stay through its recompute and inner
+    plan: charged only until the recompute, random plans of the resnet ran
+    up to 0.7% above.)"""
     from seqckpt.executor import run_plan
     from seqckpt.planner.cost import CostModel
     from seqckpt.planner.frontier import measure_peak
@@ -348,7 +351,7 @@ def test_random_plans_peak_as_predicted(name: str) -> None:
         plan = Plan(tuple(random_items(rng, 0, len(model), 0, can_start)))
         predicted, _ = plan_cost(plan, prof)
         peak = measure_peak(model, x, lambda m, t: run_plan(plan, list(m), t), "cpu")
-        assert 0.95 * predicted <= peak <= 1.01 * predicted, (
+        assert 0.95 * predicted <= peak <= 1.001 * predicted, (
             str(plan),
             peak,
             predicted,

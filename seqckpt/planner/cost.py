@@ -398,7 +398,10 @@ class CostModel:
                         for k in range(run.start, run.stop)
                     )
                 here_fwd = delta + nograd + kept + cast
-                here_bwd = max(inner_fwd, inner_bwd) + held_in
+                # what the region keeps without a policy (its buffer copies)
+                # stays through its recompute and inner plan
+                copies = self.stretch_kept(0, item.start, item.stop)
+                here_bwd = max(inner_fwd, inner_bwd) + held_in + copies
                 if fwd is not None:
                     out = self.a_held[item.stop] + kept
                     here_fwd = max(here_fwd, out + cast + fwd)

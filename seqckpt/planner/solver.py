@@ -97,7 +97,7 @@ def _least_memory(model: CostModel) -> Plan:
                 need = max(
                     delta + nograd + kept,
                     model.a_held[j] + kept + rest_need,
-                    inner_need + held_in,
+                    inner_need + kept,  # (its buffer copies, through it)
                 )
                 seconds = forward + rest_time + inner_time
                 if (need, seconds) < candidate[:2]:
@@ -348,12 +348,15 @@ def _table(
             # the stretch's input, where nothing before it holds it
             held_in = tables.hold_in[firsts]
             for p in range(policies):
+                # what a region leaves alive without a policy (buffer copies,
+                # and in the upper bound autocast's casts) stays through its
+                # inner plan too
+                copies = tables.K[0][cuts] - tables.K[0][firsts]
                 if p == 0:  # no policy: the inner stretch solved optimally
-                    # holding what its forward leaves alive (autocast's casts)
-                    kept = tables.K[0][cuts] - tables.K[0][firsts] + held_in
+                    kept = copies + held_in
                     total = _gather_shifted(after, _ceil_slots(kept, unit))
                     total += _gather_shifted(
-                        T[firsts, cuts - 1], _ceil_slots(held_in, unit)
+                        T[firsts, cuts - 1], _ceil_slots(kept, unit)
                     )
                     total += (forward + ties).to(dtype)[..., None]
                     need = _ceil_slots(delta[:, None] + nograd + kept, unit)
@@ -374,7 +377,7 @@ def _table(
                     total += seconds.to(dtype)[..., None]
                     need = torch.maximum(
                         _ceil_slots(delta[:, None] + nograd[:, :m] + kept, unit),
-                        _ceil_slots(flat[:, :m] + held_in[:, :m], unit),
+                        _ceil_slots(flat[:, :m] + held_in[:, :m] + copies[:, :m], unit),
                     )
                 total.masked_fill_(s_range < need[..., None], inf)
                 ckpt, cut = total.min(dim=1)  # (stretches, slots)
@@ -418,10 +421,11 @@ def _rebuild(
         p, j = divmod(c, n + 1)
         held_in = model.hold_in[i]
         if p == 0:
-            inner_slots = s - _slots(held_in, unit)
+            stretch_kept = model.stretch_kept(0, i, j) + held_in
+            inner_slots = s - _slots(stretch_kept, unit)
             inner = _rebuild(choices, model, kept, a, unit, i, j - 1, inner_slots)
             items.append(Recompute(i, j, Plan(_merge(inner))))
-            s -= a[j] + _slots(model.stretch_kept(0, i, j) + held_in, unit)
+            s -= a[j] + _slots(stretch_kept, unit)
         else:
             stretch_kept = model.stretch_kept(p, i, j) + held_in
             items.append(Recompute(i, j, Plan((Run(i, j),)), model.policies[p]))
