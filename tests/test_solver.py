@@ -177,11 +177,11 @@ def test_with_casts_plans_fit_and_beat_the_bound_that_keeps_them(
     # recompute, casts dropped), and the plan is the fastest of theirs that
     # fits. It always fits, and is never slower than the best plan of the
     # upper bound (the model before casts were told apart). It can miss the
-    # exact optimum: on random chains of 2 to 5 layers drawn like these, one
-    # budget in a hundred got a slower plan (by a median 9%), and the least
-    # peak found (the least of the two bounds' least-memory plans) was above
-    # the exact least on 15% to 22% of the chains (by a median 8%), so 4% to
-    # 6% of the budgets between the two found no plan.
+    # exact optimum: on random chains of 2 to 5 layers drawn like these, 0.3%
+    # to 0.9% of the budgets got a slower plan (by a median 6% to 12%), and
+    # the least peak found (the least of the two bounds' least-memory plans)
+    # was above the exact least on 17% to 24% of the chains (by a median 7%
+    # to 8%), so 2% to 4% of the budgets between the two found no plan.
     prof, budget = case
     model = CostModel.of(prof)
     upper = model.bounds()[0]
