@@ -55,7 +55,7 @@ def _merge(items: list[Item]) -> tuple[Item, ...]:
 
 
 def least_memory(model: CostModel) -> tuple[int, Plan]:
-    """The smallest peak any plan reaches under the cost model, and such a plan.
+    """The smallest peak a plan reaches under the cost model, and such a plan.
 
     Exact in bytes (no slots): ``M(i, last)`` is the least memory for layers
     ``i..last`` with the gradient of the output live. Ties go to the faster plan.
@@ -485,9 +485,9 @@ def fastest_plan(
         if floor > budget:
             raise PlanError(
                 f"seqckpt: memory_budget={budget} bytes ({format_bytes(budget)}) is "
-                f"below the smallest peak any plan reaches for this chain and input, "
-                f"{floor} bytes ({format_bytes(floor)}); give at least that, or a "
-                "smaller batch."
+                f"below the smallest peak of the plans found for this chain and "
+                f"input, {floor} bytes ({format_bytes(floor)}); give at least that, "
+                "or a smaller batch."
             )
     peak, seconds = model.total(plan.items)
     return Plan(plan.items, peak, seconds)
