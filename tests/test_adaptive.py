@@ -399,3 +399,38 @@ def test_auto_warns_when_backward_runs_inside_the_autocast_block(inside: bool) -
         w for w in caught if "backward runs inside the torch.autocast" in str(w.message)
     ]
     assert len(said) == (1 if inside else 0)
+
+
+class _SoftmaxAttention(nn.Module):
+    """Attention written out, its (length x length) weights kept for backward:
+    bytes growing with the square of the length."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.norm, self.heads = nn.LayerNorm(width), heads
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        qkv = self.qkv(self.norm(x)).view(b, n, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        weights = (q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5).softmax(-1)
+        return x + self.out((weights @ v).transpose(1, 2).reshape(b, n, d))
+
+
+def test_a_longer_batch_keeps_the_budget_where_bytes_grow_faster_than_it() -> None:
+    # A line through two profiled sizes, extrapolated up to twice the largest,
+    # misses what grows with the square of the length: profiled at 64 and 40
+    # tokens, 120 and 128 tokens ran at 1.23x and 1.14x the budget. Where the
+    # profiles show bytes growing faster than the size, a quarter above the
+    # largest is profiled.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_SoftmaxAttention() for _ in range(6)])
+    longest = torch.randn(2, 128, 64, requires_grad=True)
+    budget = measure_peak(model, longest, lambda m, t: m(t), "cpu") // 2
+    wrapped = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget=budget
+    )
+    for length in (64, 40, 120, 128):
+        x = torch.randn(2, length, 64, requires_grad=True)
+        assert measure_peak(wrapped, x, lambda m, t: m(t), "cpu") <= budget, length
