@@ -92,9 +92,9 @@ _TIMES = ("forward_time", "backward_time")
 _TIME_FLOOR = 0.25
 # While one size is profiled, a size differing by this factor is profiled too.
 _SECOND_PROFILE = 1.1
-# A size this far above the largest profiled is profiled where bytes grow
-# faster than the size (twice it otherwise).
-_UP_SUPERLINEAR = 1.25
+# A size this far beyond the profiled ones is profiled where bytes grow
+# faster than the size (above: twice the largest otherwise).
+_BEYOND_SUPERLINEAR = 1.25
 # Share of the budget kept free of predicted bytes, for prediction error.
 HEADROOM = 0.01
 
@@ -143,6 +143,11 @@ def _bytes_at(x: int, points: list[tuple[int, float]]) -> int:
     if len(points) == 1:
         ((x0, y0),) = points
         return math.ceil(y0 * max(1.0, x / x0))
+    (x0, y0), (x1, y1) = sorted(points)[:2]
+    if x < x0 and y1 * x0 > y0 * x1:
+        # growing faster than the size there, the line below the smallest
+        # profiled size falls under the bytes: that size's bytes bound them
+        return math.ceil(y0)
     return max(0, math.ceil(_line(x, points)))
 
 
@@ -177,6 +182,17 @@ def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
         )
         layers.append(dataclasses.replace(layer, **values, policies=costs))
     return ChainProfile(tuple(layers), template.device)
+
+
+def _superlinear(low: tuple[int, ChainProfile], high: tuple[int, ChainProfile]) -> bool:
+    """Whether some byte figure of some layer grows faster than the size
+    between two profiled sizes (bytes per element rising by more than 2%)."""
+    (x0, small), (x1, large) = low, high
+    return any(
+        getattr(b, field) * x0 > 1.02 * getattr(a, field) * x1
+        for a, b in zip(small.layers, large.layers, strict=True)
+        for field in _BYTES
+    )
 
 
 def _size_class(size: int) -> int:
@@ -262,33 +278,28 @@ class Frontier:
         one size is profiled, the first that differs by a tenth or more (with
         one profile, a smaller size is predicted at that profile's bytes: safe,
         but up to a third too high at 0.75x, where a second profile gives
-        the line); a size more than twice the largest profiled, or more than a
-        quarter above it where the chain's bytes grow faster than its size
-        (extrapolating up a line misses what grows faster, such as an
-        attention matrix: a chain of softmax-attention blocks profiled at 40
-        and 64 tokens ran 128 tokens at 1.14x the budget, 120 at 1.23x); and a
-        size whose measured peak drifted from its prediction. Sizes between
-        and below the profiled ones are predicted (the line between two points
-        lies above a convex growth, so predictions err on the safe side
-        there; not across image sizes, whose rounding is not convex: keep
-        those apart)."""
+        the line); a size more than twice the largest profiled; where the
+        chain's bytes grow faster than its size (an attention matrix), one more
+        than a quarter beyond the profiled sizes, above or below (a line
+        through two points misses that growth outside them: softmax-attention
+        blocks profiled at 40 and 64 tokens ran 120 tokens at 1.23x the budget,
+        profiled at 86 and 96, 40 tokens at 1.56x); and a size whose measured
+        peak drifted from its prediction. Other sizes are predicted: between
+        two profiled sizes on the line (above a convex growth: on the safe
+        side), below the smallest on the line, or at the smallest's bytes
+        where they grow faster than the size there (not across image sizes,
+        whose rounding is not convex: keep those apart)."""
         if _size_class(size) in self._stale:
             return True
         sizes = [x for x, _ in self.points]
         if len(sizes) == 1:
             return max(size, sizes[0]) >= _SECOND_PROFILE * min(size, sizes[0])
-        return size > (_UP_SUPERLINEAR if self._superlinear() else 2) * max(sizes)
-
-    def _superlinear(self) -> bool:
-        """Whether some byte figure of some layer grows faster than the size
-        between the two largest profiled sizes (bytes per element rising by
-        more than 2%)."""
-        (x0, low), (x1, high) = sorted(self.points, key=lambda p: p[0])[-2:]
-        return any(
-            getattr(b, field) * x0 > 1.02 * getattr(a, field) * x1
-            for a, b in zip(low.layers, high.layers, strict=True)
-            for field in _BYTES
-        )
+        ordered = sorted(self.points, key=lambda p: p[0])
+        if size < ordered[0][0] and _superlinear(*ordered[:2]):
+            return size * _BEYOND_SUPERLINEAR < ordered[0][0]
+        if _superlinear(*ordered[-2:]):
+            return size > _BEYOND_SUPERLINEAR * ordered[-1][0]
+        return size > 2 * ordered[-1][0]
 
     def add_profile(self, size: int, profile: ChainProfile) -> None:
         """Use a profile measured at ``size`` for the predictions."""
