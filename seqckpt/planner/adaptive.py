@@ -243,6 +243,9 @@ class Frontier:
         self._predictions: dict[int, tuple[ChainProfile, CostModel]] = {}
         self._stale: set[int] = set()
         self._checked: set[int] = set()
+        # whether bytes grow faster than the size between the two smallest
+        # and between the two largest profiled sizes (see needs_profile)
+        self._growth: tuple[bool, bool] | None = None
         self.solves = 0
 
     def __len__(self) -> int:
@@ -294,12 +297,13 @@ class Frontier:
         sizes = [x for x, _ in self.points]
         if len(sizes) == 1:
             return max(size, sizes[0]) >= _SECOND_PROFILE * min(size, sizes[0])
-        ordered = sorted(self.points, key=lambda p: p[0])
-        if size < ordered[0][0] and _superlinear(*ordered[:2]):
-            return size * _BEYOND_SUPERLINEAR < ordered[0][0]
-        if _superlinear(*ordered[-2:]):
-            return size > _BEYOND_SUPERLINEAR * ordered[-1][0]
-        return size > 2 * ordered[-1][0]
+        if self._growth is None:  # (at the smallest sizes, at the largest)
+            ordered = sorted(self.points, key=lambda p: p[0])
+            self._growth = (_superlinear(*ordered[:2]), _superlinear(*ordered[-2:]))
+        low, high = min(sizes), max(sizes)
+        if size < low and self._growth[0]:
+            return size * _BEYOND_SUPERLINEAR < low
+        return size > (_BEYOND_SUPERLINEAR if self._growth[1] else 2) * high
 
     def add_profile(self, size: int, profile: ChainProfile) -> None:
         """Use a profile measured at ``size`` for the predictions."""
@@ -311,6 +315,7 @@ class Frontier:
         self.points = [(x, p) for x, p in self.points if x != size] + [(size, profile)]
         self._stale.discard(_size_class(size))
         self._predictions.clear()
+        self._growth = None
         # The stored plans stay: the new fit ranks them at every size.
 
     def first_of_class(self, size: int) -> bool:
