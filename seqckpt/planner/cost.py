@@ -382,8 +382,11 @@ class CostModel:
                 *_, (_, forward, nograd) = self.cuts(item.start, item.stop)
                 p = 0 if item.policy is None else self.policy_index(item.policy)
                 held_in = self.hold_in[item.start]
-                kept = self.stretch_kept(p, item.start, item.stop) + held_in
-                kept += self.nested_kept(item.inner.items)
+                # what the region keeps without a policy (its buffer copies)
+                # stays through its recompute and inner plan too
+                copies = self.stretch_kept(0, item.start, item.stop)
+                kept = copies if p == 0 else self.stretch_kept(p, item.start, item.stop)
+                kept += held_in + self.nested_kept(item.inner.items)
                 cast = self.stretch_cast(p, item.start, item.stop)
                 if p:
                     forward = sum(
@@ -398,9 +401,6 @@ class CostModel:
                         for k in range(run.start, run.stop)
                     )
                 here_fwd = delta + nograd + kept + cast
-                # what the region keeps without a policy (its buffer copies)
-                # stays through its recompute and inner plan
-                copies = self.stretch_kept(0, item.start, item.stop)
                 here_bwd = max(inner_fwd, inner_bwd) + held_in + copies
                 if fwd is not None:
                     out = self.a_held[item.stop] + kept

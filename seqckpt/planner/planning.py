@@ -448,17 +448,24 @@ class _PeakCheck:
     def end_with_backward(self, out: Any) -> None:
         """Observe when the backward through ``out`` ends; a step without one
         is closed, unobserved, by the next step."""
-        roots = [t for t in tensors_in(out) if t.requires_grad]
-        if not roots:
-            self.close()
-            return
         engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
 
-        def started(grad: torch.Tensor) -> None:
+        def started() -> None:
             if _PeakCheck.current is self and not self.observed:
                 engine.queue_callback(self.observe)
 
-        roots[0].register_hook(started)  # type: ignore[no-untyped-call]
+        if not _when_backward_starts(out, started):
+            self.close()
+
+
+def _when_backward_starts(out: Any, call: Callable[[], None]) -> bool:
+    """Call ``call`` when a backward through ``out`` starts (when the first
+    of its tensors that require grad gets its gradient); False where none
+    does."""
+    roots = [t for t in tensors_in(out) if t.requires_grad]
+    if roots:
+        roots[0].register_hook(lambda grad: call())  # type: ignore[no-untyped-call]
+    return bool(roots)
 
 
 # Frontiers whose first step was checked for a backward inside the autocast
@@ -472,11 +479,8 @@ def _warn_if_backward_under_autocast(out: Any, device_type: str) -> None:
     casts a recomputed stretch leaves in the cache as freed when the block
     ends, before backward (torch's recipe); inside it they stay until the
     block ends, and the step can run over the budget."""
-    roots = [t for t in tensors_in(out) if t.requires_grad]
-    if not roots:
-        return
 
-    def started(grad: torch.Tensor) -> None:
+    def started() -> None:
         if torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled():
             warnings.warn(
                 "seqckpt: backward runs inside the torch.autocast block of the "
@@ -489,7 +493,7 @@ def _warn_if_backward_under_autocast(out: Any, device_type: str) -> None:
                 stacklevel=2,
             )
 
-    roots[0].register_hook(started)  # type: ignore[no-untyped-call]
+    _when_backward_starts(out, started)
 
 
 def auto_step(

@@ -347,17 +347,16 @@ def _table(
             flat = tables.flat[firsts, cuts]
             # the stretch's input, where nothing before it holds it
             held_in = tables.hold_in[firsts]
+            # what a region leaves alive without a policy (buffer copies, and
+            # in the upper bound autocast's casts) stays through its inner
+            # plan too
+            copies = tables.K[0][cuts] - tables.K[0][firsts]
             for p in range(policies):
-                # what a region leaves alive without a policy (buffer copies,
-                # and in the upper bound autocast's casts) stays through its
-                # inner plan too
-                copies = tables.K[0][cuts] - tables.K[0][firsts]
                 if p == 0:  # no policy: the inner stretch solved optimally
                     kept = copies + held_in
-                    total = _gather_shifted(after, _ceil_slots(kept, unit))
-                    total += _gather_shifted(
-                        T[firsts, cuts - 1], _ceil_slots(kept, unit)
-                    )
+                    kept_slots = _ceil_slots(kept, unit)
+                    total = _gather_shifted(after, kept_slots)
+                    total += _gather_shifted(T[firsts, cuts - 1], kept_slots)
                     total += (forward + ties).to(dtype)[..., None]
                     need = _ceil_slots(delta[:, None] + nograd + kept, unit)
                 else:  # a flat recompute under the policy, holding what it keeps
