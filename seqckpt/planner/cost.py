@@ -31,7 +31,9 @@ An activation that neither the layer making it nor the layer using it holds
 (a linear layer's output before a ReLU or dropout, a frozen layer's before the
 next) lives only through its consumer's forward: it is charged there (inside
 that layer's forward peak, or as the input a checkpointed stretch starting
-there holds), not to the layer or stretch that made it.
+there holds), not to the layer or stretch that made it. Layers between them that
+hand its storage on without holding it (a view, an in-place ReLU of a frozen
+stem) are looked through.
 
 So a plan's peak is the larger of two: its forward's, with the casts, and its
 backward's, without them (:meth:`CostModel.phases`). The solver
@@ -112,17 +114,29 @@ class CostModel:
             p = layers[k]
             unsafe[k] = p.modifies_input or (p.returns_input and unsafe[k + 1])
         a = [layers[0].input_bytes] + [p.output_bytes for p in layers]
-        # passing[k + 1]: the output of layer k lives only through layer k+1's
-        # forward (neither holds it, and neither is a view of its input)
-        passing = (
-            [False]
-            + [
-                not (p.output_held or p.returns_input)
-                and not (q.input_held or q.returns_input or q.modifies_input)
-                for p, q in zip(layers, layers[1:])  # noqa: B905
-            ]
-            + [False]
-        )
+        # passing[k]: the input of layer k lives only through the forward of
+        # the layer that takes it (neither that layer nor the one making it
+        # holds it). Layers that hand their input's storage on unheld (a view,
+        # or written in place without a graph: a frozen layer's in-place ReLU)
+        # are looked through: the storage passes when the layer after them
+        # does not hold it, and their output passes with their input.
+        passing = [False] * (n + 1)
+        for k in range(1, n):
+            p = layers[k - 1]
+            if p.returns_input:
+                passing[k] = passing[k - 1] and not p.output_held
+                continue
+            taker = k
+            while (
+                taker < n - 1
+                and layers[taker].returns_input
+                and not layers[taker].output_held
+            ):
+                taker += 1
+            q = layers[taker]
+            passing[k] = not p.output_held and not (
+                q.input_held or q.returns_input or q.modifies_input
+            )
         return CostModel(
             a=a,
             a_held=[0 if passing[k] else a[k] for k in range(n + 1)],
