@@ -221,7 +221,7 @@ def test_a_chain_reusing_a_freed_chains_ids_gets_its_own_frontier() -> None:
     before = AUTO_STATS.profiles
     seqckpt.checkpoint_sequential(new, "auto", tokens(16), memory_budget=10**9)
     assert AUTO_STATS.profiles == before + 1  # profiled anew
-    assert planning._FRONTIERS[key][1] is not stale[1]
+    assert planning._FRONTIERS[key].frontiers != stale.frontiers
     again = AUTO_STATS.profiles
     seqckpt.checkpoint_sequential(new, "auto", tokens(16), memory_budget=10**9)
     assert AUTO_STATS.profiles == again  # and its own frontier is reused
@@ -371,6 +371,49 @@ def test_a_smaller_batch_keeps_the_budget_under_autocast() -> None:
     for batch in (8, 6, 7, 5):
         x = torch.randn(batch, 256, requires_grad=True)
         assert measure_peak(wrapped, x, step, "cpu") <= budget, batch
+
+
+def test_unfreezing_layers_gets_a_plan_for_the_new_trainable_set() -> None:
+    # A frozen layer keeps nothing for backward; unfrozen (gradual unfreezing
+    # in fine-tuning) it keeps its activations. segments="auto" kept using
+    # the plan made while the layers were frozen (here: keep everything),
+    # 1.7x the budget on this chain, no error. Each set of trainable parameters gets a frontier of
+    # its own, and one that comes back (a GAN's discriminator, frozen for
+    # every generator step) finds its frontier again.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]
+    )
+    x = torch.randn(32, 256)
+    budget = int(0.6 * measure_peak(model, x, lambda m, t: m(t), "cpu"))
+    wrapped = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget=budget
+    )
+    before = AUTO_STATS.profiles
+    for unfrozen in (False, True, False, True):
+        for p in model[:6].parameters():
+            p.requires_grad_(unfrozen)
+        assert measure_peak(wrapped, x, lambda m, t: m(t), "cpu") <= budget, unfrozen
+    assert AUTO_STATS.profiles - before == 2
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, t: seqckpt.checkpoint_sequential(m, "auto", t, memory_budget=budget),
+    )
+
+
+def test_autocast_on_or_off_gets_a_frontier_of_its_own() -> None:
+    # The same chain profiled in float32 and run under bf16 autocast (or the
+    # other way round) would plan with the other dtype's bytes.
+    model = token_chain()
+    before = AUTO_STATS.profiles
+    for _ in range(2):
+        seqckpt.checkpoint_sequential(model, "auto", tokens(16), memory_budget=10**9)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            seqckpt.checkpoint_sequential(
+                model, "auto", tokens(16), memory_budget=10**9
+            )
+    assert AUTO_STATS.profiles - before == 2
 
 
 @pytest.mark.parametrize("inside", [True, False])

@@ -157,9 +157,12 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
     return ChainProfile(layers, profile.device)
 
 
-# The frontier of each chain and kind of input, with what identifies the
-# chain's items (see _holders).
-_FRONTIERS: dict[tuple[Any, ...], tuple[tuple[Any, ...], Frontier]] = {}
+# What segments="auto" keeps for each chain and kind of input (see
+# _frontier_key): what identifies the chain's items (see _holders), the
+# chain's parameters (read once: walking its modules at every step would cost
+# more than choosing the plan) and a frontier for each set of them that
+# requires grad.
+_FRONTIERS: dict[tuple[Any, ...], _ChainEntry] = {}
 # The plan chosen for the last (input size, budget) pairs.
 _AUTO_CACHE: OrderedDict[tuple[int, int], tuple[Frontier, Plan]] = OrderedDict()
 _AUTO_CACHE_SIZE = 64
@@ -198,13 +201,7 @@ def available_bytes(chain: Sequence[Any], free: int, cached: int) -> int:
         >>> available_bytes([layer], free=100_000_000, cached=0) < 90_000_000 - 12_000_000
         True
     """
-    params = {
-        id(p): p
-        for item in chain
-        for module in modules_of(item)
-        for p in module.parameters()
-        if p.requires_grad
-    }.values()
+    params = [p for p in chain_parameters(chain) if p.requires_grad]
     missing_grads = sum(p.nbytes for p in params if p.grad is None)
     first_step = all(p.grad is None for p in params)
     optimizer = OPTIMIZER_STATE_PER_PARAMETER * sum(p.nbytes for p in params)
@@ -219,6 +216,17 @@ def available_bytes(chain: Sequence[Any], free: int, cached: int) -> int:
             "free memory, or give memory_budget= explicitly."
         )
     return room
+
+
+def chain_parameters(chain: Sequence[Any]) -> list[torch.Tensor]:
+    """The parameters of the modules the chain's items run, each once."""
+    params = {
+        id(p): p
+        for item in chain
+        for module in modules_of(item)
+        for p in module.parameters()
+    }
+    return list(params.values())
 
 
 def _device_budget(chain: Sequence[Any], input: Any) -> int:
@@ -292,12 +300,38 @@ AUTO_STATS = AutoStats()
 
 def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     """A chain and the kind of input it gets: each tensor's rank, dtype,
-    device and grad flag, and the input's :func:`image_sizes`, so that each
-    image size (or signal length) gets a frontier of its own, profiled at it,
-    while batch sizes and sequence lengths share one."""
+    device and grad flag, the input's :func:`image_sizes`, so that each image
+    size (or signal length) gets a frontier of its own, profiled at it, while
+    batch sizes and sequence lengths share one, and autocast's state (a step
+    under bf16 autocast keeps other bytes than one in float32)."""
     tensors = tensors_in(input)
     kinds = tuple((t.dim(), t.dtype, str(t.device), t.requires_grad) for t in tensors)
-    return (tuple(id(m) for m in chain), kinds, image_sizes(tensors))
+    device_type = tensors[0].device.type if tensors else "cpu"
+    autocast = (
+        torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type)
+        else None
+    )
+    return (tuple(id(m) for m in chain), kinds, image_sizes(tensors), autocast)
+
+
+class _ChainEntry:
+    """A chain's frontiers (see :data:`_FRONTIERS`): a chain whose layers
+    are frozen or unfrozen between steps (gradual unfreezing in fine-tuning,
+    a GAN's discriminator frozen for the generator's step) keeps other
+    tensors for backward, so each set of parameters that require grad gets a
+    frontier of its own. (A plain class: dynamo 2.13 fails to trace a
+    dataclass's attributes here.)"""
+
+    __slots__ = ("holders", "parameters", "frontiers")
+
+    def __init__(self, chain: Sequence[Any]) -> None:
+        self.holders = _holders(chain)
+        self.parameters = chain_parameters(chain)
+        self.frontiers: dict[tuple[bool, ...], Frontier] = {}
+
+    def trainable(self) -> tuple[bool, ...]:
+        return tuple([p.requires_grad for p in self.parameters])
 
 
 def _holders(chain: Sequence[Any]) -> tuple[tuple[bool, Any], ...]:
@@ -342,7 +376,14 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
     where measured peaks drifted); then reused for every batch of that kind."""
     key = _frontier_key(chain, input)
     entry = _FRONTIERS.get(key)
-    frontier = entry[1] if entry is not None and _same_items(entry[0], chain) else None
+    if entry is None or not _same_items(entry.holders, chain):
+        entry = _ChainEntry(chain)
+        _FRONTIERS.pop(key, None)  # a freed chain's, under reused ids
+        _FRONTIERS[key] = entry
+        if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
+            _FRONTIERS.pop(next(iter(_FRONTIERS)))
+    trainable = entry.trainable()
+    frontier = entry.frontiers.get(trainable)
     if frontier is None:
         if torch.compiler.is_compiling():
             raise RuntimeError(
@@ -351,10 +392,7 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
                 "seqckpt.plan(...) as segments."
             )
         frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
-        _FRONTIERS.pop(key, None)  # a freed chain's, under reused ids
-        _FRONTIERS[key] = (_holders(chain), frontier)
-        if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
-            _FRONTIERS.pop(next(iter(_FRONTIERS)))
+        entry.frontiers[trainable] = frontier
     elif frontier.needs_profile(size) and not torch.compiler.is_compiling():
         policies = [None, *frontier.points[0][1].policies]
         frontier.add_profile(size, _timed_profile(chain, input, policies))
