@@ -388,8 +388,9 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "seqckpt: segments='auto' cannot profile the chain inside "
-                "torch.compile; run one eager training step first, or pass "
-                "seqckpt.plan(...) as segments."
+                "torch.compile; run one eager training step first (and again "
+                "after freezing or unfreezing layers, or turning autocast on "
+                "or off), or pass seqckpt.plan(...) as segments."
             )
         frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
         entry.frontiers[trainable] = frontier
