@@ -17,11 +17,12 @@ def layer(
     region_cast: int = 0,
     input_held: bool = True,
     output_held: bool = True,
+    returns_input: bool = False,
 ) -> LayerProfile:
     """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``),
     and ``region_kept`` when recomputed until its recompute, besides
-    ``region_cast`` until the forward ends (autocast's casts); ``input_held``
-    and ``output_held`` as :class:`LayerProfile` has them."""
+    ``region_cast`` until the forward ends (autocast's casts); ``input_held``,
+    ``output_held`` and ``returns_input`` as :class:`LayerProfile` has them."""
     kept = act if saved is None else saved
     return LayerProfile(
         name="synthetic",
@@ -38,6 +39,7 @@ def layer(
         region_cast_bytes=region_cast,
         input_held=input_held,
         output_held=output_held,
+        returns_input=returns_input,
     )
 
 

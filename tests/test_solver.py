@@ -120,6 +120,8 @@ def profiles(draw: st.DrawFn) -> tuple[ChainProfile, int]:
             # an output neither it nor the next layer holds (before a ReLU)
             input_held=draw(st.booleans()),
             output_held=draw(st.booleans()),
+            # a view of its input (looked through when nothing holds it)
+            returns_input=draw(st.booleans()),
         )
         for _ in range(n)
     ]
