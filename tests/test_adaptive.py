@@ -402,6 +402,21 @@ def test_unfreezing_layers_gets_a_plan_for_the_new_trainable_set() -> None:
     )
 
 
+def test_a_freed_chain_is_not_kept_alive_by_its_frontier() -> None:
+    # segments="auto" keeps each chain's frontier after the step; what it
+    # keeps of the chain (its items, its parameters' grad flags) it holds
+    # weakly, so a model dropped by a sweep frees its memory.
+    import gc
+    import weakref
+
+    model = token_chain()
+    seqckpt.checkpoint_sequential(model, "auto", tokens(16), memory_budget=10**9)
+    held = [weakref.ref(model), weakref.ref(next(model.parameters()))]
+    del model
+    gc.collect()
+    assert all(ref() is None for ref in held)
+
+
 def test_autocast_on_or_off_gets_a_frontier_of_its_own() -> None:
     # The same chain profiled in float32 and run under bf16 autocast (or the
     # other way round) would plan with the other dtype's bytes.

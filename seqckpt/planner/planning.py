@@ -327,11 +327,12 @@ class _ChainEntry:
 
     def __init__(self, chain: Sequence[Any]) -> None:
         self.holders = _holders(chain)
-        self.parameters = chain_parameters(chain)
+        # (weakly, as the items: a freed chain's parameters are not kept alive)
+        self.parameters = [weakref.ref(p) for p in chain_parameters(chain)]
         self.frontiers: dict[tuple[bool, ...], Frontier] = {}
 
     def trainable(self) -> tuple[bool, ...]:
-        return tuple([p.requires_grad for p in self.parameters])
+        return tuple([getattr(p(), "requires_grad", False) for p in self.parameters])
 
 
 def _holders(chain: Sequence[Any]) -> tuple[tuple[bool, Any], ...]:
