@@ -85,7 +85,9 @@ class LayerProfile:
             cost model frees the output after the next item's forward.
         modifies_input: it writes into its input in place (``nn.ReLU(inplace=
             True)``); a checkpointed stretch never starts at such an item.
-        returns_input: its output is (a view of) its input.
+        returns_input: its output is (a view of) its input; where it does not
+            hold it (``output_held`` False), the cost model looks through it to
+            the next item to tell whether the storage lives on.
         policies: for each policy the chain was profiled with (see
             :func:`profile`), what the item keeps under it and the seconds of
             its recompute.
