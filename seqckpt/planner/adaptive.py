@@ -181,7 +181,7 @@ def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
             for q, cost in enumerate(layer.policies)
         )
         layers.append(dataclasses.replace(layer, **values, policies=costs))
-    return ChainProfile(tuple(layers), template.device)
+    return dataclasses.replace(template, layers=tuple(layers))
 
 
 def _superlinear(low: tuple[int, ChainProfile], high: tuple[int, ChainProfile]) -> bool:

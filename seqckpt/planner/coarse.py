@@ -13,6 +13,8 @@ loss.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from seqckpt.planner.profile import ChainProfile, LayerProfile, PolicyCost
 from seqckpt.planner.tree import Item, Plan, Recompute, Run
 
@@ -93,7 +95,7 @@ def coarsen(
         _merge_layers(profile.layers[a:b], can_start[a])
         for a, b in zip(bounds, bounds[1:])  # noqa: B905
     )
-    return ChainProfile(merged, profile.device), starts
+    return replace(profile, layers=merged), starts
 
 
 def expand(plan: Plan, starts: list[int], n: int) -> Plan:

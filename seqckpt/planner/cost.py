@@ -78,6 +78,9 @@ class CostModel:
     ``region_cast_bytes``), ``recompute_by[p][k]`` the seconds
     of its recompute under it and ``forward_by[p][k]`` those of its
     checkpointed forward under it (choosing what to keep costs time).
+    ``shared_grads`` is what the backward holds for the gradients of
+    parameters several layers use (:attr:`ChainProfile.shared_grad_bytes`),
+    counted through the whole backward.
     ``a_held[k]`` is what a stretch ending before layer ``k`` holds of its
     output while the rest runs (``a[k]``, or 0 where layer ``k`` does not keep
     its input: it lives only through that layer's forward, counted in its
@@ -103,6 +106,7 @@ class CostModel:
     output_kept_by: list[list[int]]
     recompute_by: list[list[float]]
     forward_by: list[list[float]]
+    shared_grads: int = 0
 
     @staticmethod
     def of(profile: ChainProfile) -> CostModel:
@@ -191,6 +195,7 @@ class CostModel:
                 [p.forward_time_under(p.policies[q]) for p in layers]
                 for q in range(len(profile.policies))
             ],
+            shared_grads=profile.shared_grad_bytes,
         )
 
     def stretch_kept(self, p: int, start: int, stop: int) -> int:
@@ -262,8 +267,11 @@ class CostModel:
         return self.a[last + 1] + self.a[n] if last + 1 < n else 0
 
     def total(self, items: tuple[Item, ...]) -> tuple[int, float]:
-        """(peak bytes, seconds) of a whole-chain plan's items."""
-        return self.cost(items, 0)
+        """(peak bytes, seconds) of a whole-chain plan's items: with
+        :attr:`shared_grads` held through the backward (the dynamic program
+        sees sub-chains without it; every plan it gives is checked here)."""
+        forward, backward, seconds = self.phases(items, 0)
+        return max(forward, backward + self.shared_grads), seconds
 
     def linear_terms(self) -> tuple[list[float], list[int]]:
         """The figures :meth:`linear_counts` counts. Times: the forward times,

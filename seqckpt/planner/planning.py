@@ -154,7 +154,7 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
         dataclasses.replace(layer, policies=tuple(layer.policies[i] for i in keep))
         for layer in profile.layers
     )
-    return ChainProfile(layers, profile.device)
+    return dataclasses.replace(profile, layers=layers)
 
 
 # What segments="auto" keeps for each chain and kind of input (see

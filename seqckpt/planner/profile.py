@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from seqckpt._buffers import watching_modules
+from seqckpt._buffers import modules_of, watching_modules
 from seqckpt._chain import as_chain
 from seqckpt._options import Options
 from seqckpt._region import _Region
@@ -146,10 +146,21 @@ class PolicyCost:
 
 @dataclass(frozen=True)
 class ChainProfile:
-    """The profile of every item of a chain, in order, on one device."""
+    """The profile of every item of a chain, in order, on one device.
+
+    ``shared_grad_bytes``: what the backward holds besides for parameters that
+    several items use (a block repeated in the chain: ALBERT, looped
+    transformers). Autograd sums such a parameter's gradient over its uses
+    before accumulating it into ``.grad``, holding the running sum from the
+    backward of its last use to that of its first, and adding each new
+    contribution out of place; the bytes of every such parameter plus the
+    largest one's (see :func:`shared_grad_bytes`). 0 where no parameter is
+    shared.
+    """
 
     layers: tuple[LayerProfile, ...]
     device: str
+    shared_grad_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -192,13 +203,19 @@ class ChainProfile:
                 )
             )
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-        return "\n".join(
+        text = "\n".join(
             "  ".join(
                 v.rjust(w) if c != 1 else v.ljust(w)
                 for c, (v, w) in enumerate(zip(r, widths, strict=True))
             )  # fmt: skip
             for r in rows
         )
+        if self.shared_grad_bytes:
+            text += (
+                f"\ngradients of parameters shared by items, held through "
+                f"backward: {self.shared_grad_bytes / 2**20:.3f} MiB"
+            )
+        return text
 
     @property
     def policies(self) -> tuple[Policy, ...]:
@@ -225,7 +242,11 @@ class ChainProfile:
                 for c in p.policies
             ]
             layers.append(row)
-        return {"device": self.device, "layers": layers}
+        return {
+            "device": self.device,
+            "layers": layers,
+            "shared_grad_bytes": self.shared_grad_bytes,
+        }
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> ChainProfile:
@@ -245,7 +266,11 @@ class ChainProfile:
                 for c in row.get("policies", ())
             )
             layers.append(LayerProfile(**fields, policies=costs))
-        return ChainProfile(tuple(layers), str(data["device"]))
+        return ChainProfile(
+            tuple(layers),
+            str(data["device"]),
+            int(data.get("shared_grad_bytes", 0)),
+        )
 
 
 def _nbytes(obj: Any) -> int:
@@ -410,7 +435,7 @@ def _profile_item(
     policies: Sequence[Policy],
     box: _Sandbox,
     last: bool = False,
-) -> tuple[LayerProfile, Any]:
+) -> tuple[LayerProfile, Any, list[torch.Tensor]]:
     # Warm up outside the measurements: the sandbox meets the modules the item
     # calls (and gives their parameters zero gradients), and on CUDA the first
     # cuBLAS / cuDNN calls allocate workspaces, forward and backward.
@@ -469,6 +494,7 @@ def _profile_item(
         for policy in policies
     )
     next_input = _detached(out, [t.requires_grad for t in tensors_in(out)])
+    used = _leaves_reached(out, x)
     del out
     layer = LayerProfile(
         name=_name(item),
@@ -489,7 +515,27 @@ def _profile_item(
         returns_input=returns_input,
         policies=costs,
     )
-    return layer, next_input
+    return layer, next_input, used
+
+
+def _leaves_reached(out: Any, x: Any) -> list[torch.Tensor]:
+    """The tensors requiring grad that ``out``'s graph accumulates gradients
+    into (the parameters the item used), its input ``x`` left out: a walk
+    over the graph's nodes (still there after its backward)."""
+    inputs = set(map(id, tensors_in(x)))
+    found: dict[int, torch.Tensor] = {}
+    seen: set[Any] = set()
+    pending: list[Any] = [t.grad_fn for t in tensors_in(out)]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor) and id(leaf) not in inputs:
+            found[id(leaf)] = leaf
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
 
 
 def _what_stays(
@@ -684,7 +730,9 @@ def profile(
     layers = []
     # An item's twin measured earlier: its figures and its (detached) output,
     # which stands in for the twin's own as the next item's input.
-    measured: dict[Hashable, tuple[LayerProfile, Any]] = {}
+    measured: dict[Hashable, tuple[LayerProfile, Any, Any, list[torch.Tensor]]] = {}
+    # the parameters each item accumulates gradients into
+    used: list[list[torch.Tensor]] = []
     with sandbox(devices) as box, torch.enable_grad():
         x = _detached(sample_input, [t.requires_grad for t in tensors_in(sample_input)])
         for index, item in enumerate(chain):
@@ -694,9 +742,40 @@ def profile(
             if twin is not None:
                 layers.append(replace(twin[0], name=_name(item)))
                 x = twin[1]
+                # the same object uses the same parameters; another its own
+                used.append(twin[3] if twin[2] is item else _trainable(item))
                 continue
-            layer, x = _profile_item(item, x, device, repeats, chosen, box, last)
+            layer, x, reached = _profile_item(
+                item, x, device, repeats, chosen, box, last
+            )
             layers.append(layer)
+            used.append(reached)
             if key is not None:
-                measured[key] = (layer, x)
-    return ChainProfile(tuple(layers), str(device))
+                measured[key] = (layer, x, item, reached)
+    return ChainProfile(tuple(layers), str(device), shared_grad_bytes(used))
+
+
+def _trainable(item: Any) -> list[torch.Tensor]:
+    return [p for m in modules_of(item) for p in m.parameters() if p.requires_grad]
+
+
+def shared_grad_bytes(used: Sequence[Sequence[torch.Tensor]]) -> int:
+    """The bytes the backward holds for the gradients of parameters that more
+    than one item uses, given the parameters each item uses (see
+    :attr:`ChainProfile.shared_grad_bytes`): each such parameter's, plus the
+    largest one's for the sum made while a contribution is added.
+
+    Example:
+        >>> from torch import nn
+        >>> block = nn.Linear(100, 100)  # 40,400 bytes of weight and bias
+        >>> shared_grad_bytes([list(block.parameters()), [], list(block.parameters())])
+        80400
+        >>> shared_grad_bytes([list(nn.Linear(100, 100).parameters()) for _ in range(2)])
+        0
+    """
+    uses: dict[int, tuple[torch.Tensor, int]] = {}
+    for params in used:
+        for p in {id(p): p for p in params}.values():
+            uses[id(p)] = (p, uses[id(p)][1] + 1 if id(p) in uses else 1)
+    shared = [p.nbytes for p, count in uses.values() if count > 1]
+    return sum(shared) + max(shared, default=0)
