@@ -85,6 +85,7 @@ _BYTES = (
     "backward_peak_bytes",
     "region_kept_bytes",
     "region_cast_bytes",
+    "shared_grad_bytes",
 )
 _TIMES = ("forward_time", "backward_time")
 # A time predicted for a smaller size never drops below this share of the

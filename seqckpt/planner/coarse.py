@@ -80,6 +80,8 @@ def _merge_layers(layers: tuple[LayerProfile, ...], can_start: bool) -> LayerPro
         modifies_input=not can_start,
         returns_input=False,
         policies=policies,
+        # (the most any member's backward holds: on the safe side)
+        shared_grad_bytes=max(p.shared_grad_bytes for p in layers),
     )
 
 

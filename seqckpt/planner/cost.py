@@ -78,9 +78,10 @@ class CostModel:
     ``region_cast_bytes``), ``recompute_by[p][k]`` the seconds
     of its recompute under it and ``forward_by[p][k]`` those of its
     checkpointed forward under it (choosing what to keep costs time).
-    ``shared_grads`` is what the backward holds for the gradients of
-    parameters several layers use (:attr:`ChainProfile.shared_grad_bytes`),
-    counted through the whole backward.
+    ``shared_grads[k]`` is what the backward holds for the gradient sums of
+    parameters several layers use while layer ``k``'s backward, or a
+    recompute ending at it, runs (:attr:`LayerProfile.shared_grad_bytes`;
+    part of ``backward_peak[k]`` and of :meth:`output_grad`).
     ``a_held[k]`` is what a stretch ending before layer ``k`` holds of its
     output while the rest runs (``a[k]``, or 0 where layer ``k`` does not keep
     its input: it lives only through that layer's forward, counted in its
@@ -106,7 +107,7 @@ class CostModel:
     output_kept_by: list[list[int]]
     recompute_by: list[list[float]]
     forward_by: list[list[float]]
-    shared_grads: int = 0
+    shared_grads: list[int]
 
     @staticmethod
     def of(profile: ChainProfile) -> CostModel:
@@ -158,7 +159,8 @@ class CostModel:
                 for k, p in enumerate(layers)
             ],
             nograd_peak=[p.nograd_peak_bytes for p in layers],
-            backward_peak=[p.backward_peak_bytes for p in layers],
+            # (the gradient sums of shared parameters: held beside it)
+            backward_peak=[p.backward_peak_bytes + p.shared_grad_bytes for p in layers],
             forward_time=[p.forward_time for p in layers],
             backward_time=[p.backward_time for p in layers],
             can_start=[not u for u in unsafe[:-1]],
@@ -195,7 +197,7 @@ class CostModel:
                 [p.forward_time_under(p.policies[q]) for p in layers]
                 for q in range(len(profile.policies))
             ],
-            shared_grads=profile.shared_grad_bytes,
+            shared_grads=[p.shared_grad_bytes for p in layers],
         )
 
     def stretch_kept(self, p: int, start: int, stop: int) -> int:
@@ -260,18 +262,18 @@ class CostModel:
     def output_grad(self, last: int) -> int:
         """Bytes live while a sub-chain ending at layer ``last`` runs beyond what
         it makes: the gradient of its output and, as it runs in the backward
-        phase, the chain's output. For the whole chain's end it is 0: the loss
+        phase, the chain's output and the gradient sums of shared parameters
+        (:attr:`shared_grads`). For the whole chain's end it is 0: the loss
         makes that gradient when backward starts, and the last layer's backward
         peak (measured with such a gradient made inside backward) counts it."""
         n = len(self)
-        return self.a[last + 1] + self.a[n] if last + 1 < n else 0
+        if last + 1 == n:
+            return 0
+        return self.a[last + 1] + self.a[n] + self.shared_grads[last]
 
     def total(self, items: tuple[Item, ...]) -> tuple[int, float]:
-        """(peak bytes, seconds) of a whole-chain plan's items: with
-        :attr:`shared_grads` held through the backward (the dynamic program
-        sees sub-chains without it; every plan it gives is checked here)."""
-        forward, backward, seconds = self.phases(items, 0)
-        return max(forward, backward + self.shared_grads), seconds
+        """(peak bytes, seconds) of a whole-chain plan's items."""
+        return self.cost(items, 0)
 
     def linear_terms(self) -> tuple[list[float], list[int]]:
         """The figures :meth:`linear_counts` counts. Times: the forward times,

@@ -91,6 +91,15 @@ class LayerProfile:
         policies: for each policy the chain was profiled with (see
             :func:`profile`), what the item keeps under it and the seconds of
             its recompute.
+        shared_grad_bytes: what the backward holds besides, while this item's
+            backward (or a recompute ending at it) runs, for parameters it or
+            an item before it shares with an item after it (a block applied
+            several times: ALBERT, looped transformers). Autograd sums such a
+            parameter's gradient over its uses before accumulating it into
+            ``.grad``: the sum is held from the backward of the last use to
+            that of the first, and each use adds its contribution out of
+            place. 0 where no parameter is shared (see
+            :func:`shared_grad_bytes`).
     """
 
     name: str
@@ -110,6 +119,7 @@ class LayerProfile:
     modifies_input: bool = False
     returns_input: bool = False
     policies: tuple[PolicyCost, ...] = ()
+    shared_grad_bytes: int = 0
 
     def forward_time_under(self, cost: PolicyCost) -> float:
         """Seconds of its checkpointed forward under ``cost``'s policy."""
@@ -146,21 +156,10 @@ class PolicyCost:
 
 @dataclass(frozen=True)
 class ChainProfile:
-    """The profile of every item of a chain, in order, on one device.
-
-    ``shared_grad_bytes``: what the backward holds besides for parameters that
-    several items use (a block repeated in the chain: ALBERT, looped
-    transformers). Autograd sums such a parameter's gradient over its uses
-    before accumulating it into ``.grad``, holding the running sum from the
-    backward of its last use to that of its first, and adding each new
-    contribution out of place; the bytes of every such parameter plus the
-    largest one's (see :func:`shared_grad_bytes`). 0 where no parameter is
-    shared.
-    """
+    """The profile of every item of a chain, in order, on one device."""
 
     layers: tuple[LayerProfile, ...]
     device: str
-    shared_grad_bytes: int = 0
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -210,10 +209,11 @@ class ChainProfile:
             )  # fmt: skip
             for r in rows
         )
-        if self.shared_grad_bytes:
+        shared = max((p.shared_grad_bytes for p in self.layers), default=0)
+        if shared:
             text += (
-                f"\ngradients of parameters shared by items, held through "
-                f"backward: {self.shared_grad_bytes / 2**20:.3f} MiB"
+                "\ngradients of parameters shared by items, summed during "
+                f"backward: up to {shared / 2**20:.3f} MiB"
             )
         return text
 
@@ -242,11 +242,7 @@ class ChainProfile:
                 for c in p.policies
             ]
             layers.append(row)
-        return {
-            "device": self.device,
-            "layers": layers,
-            "shared_grad_bytes": self.shared_grad_bytes,
-        }
+        return {"device": self.device, "layers": layers}
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> ChainProfile:
@@ -266,11 +262,7 @@ class ChainProfile:
                 for c in row.get("policies", ())
             )
             layers.append(LayerProfile(**fields, policies=costs))
-        return ChainProfile(
-            tuple(layers),
-            str(data["device"]),
-            int(data.get("shared_grad_bytes", 0)),
-        )
+        return ChainProfile(tuple(layers), str(data["device"]))
 
 
 def _nbytes(obj: Any) -> int:
@@ -752,30 +744,48 @@ def profile(
             used.append(reached)
             if key is not None:
                 measured[key] = (layer, x, item, reached)
-    return ChainProfile(tuple(layers), str(device), shared_grad_bytes(used))
+    shared = shared_grad_bytes(used)
+    return ChainProfile(
+        tuple(
+            replace(layer, shared_grad_bytes=b) if b else layer
+            for layer, b in zip(layers, shared, strict=True)
+        ),
+        str(device),
+    )
 
 
 def _trainable(item: Any) -> list[torch.Tensor]:
     return [p for m in modules_of(item) for p in m.parameters() if p.requires_grad]
 
 
-def shared_grad_bytes(used: Sequence[Sequence[torch.Tensor]]) -> int:
-    """The bytes the backward holds for the gradients of parameters that more
-    than one item uses, given the parameters each item uses (see
-    :attr:`ChainProfile.shared_grad_bytes`): each such parameter's, plus the
-    largest one's for the sum made while a contribution is added.
+def shared_grad_bytes(used: Sequence[Sequence[torch.Tensor]]) -> list[int]:
+    """Given the parameters each item of a chain uses, the bytes of gradient
+    sums the backward holds for shared ones while each item's backward runs
+    (see :attr:`LayerProfile.shared_grad_bytes`): a parameter used by items
+    ``lo`` to ``hi`` counts at items ``lo`` to ``hi - 1`` (its sum, made at
+    ``hi``'s backward and accumulated into ``.grad`` after ``lo``'s), and
+    at each of those that uses one, the largest such parameter's once more
+    (the new sum a contribution makes beside the old one, one parameter at a
+    time).
 
     Example:
         >>> from torch import nn
-        >>> block = nn.Linear(100, 100)  # 40,400 bytes of weight and bias
-        >>> shared_grad_bytes([list(block.parameters()), [], list(block.parameters())])
-        80400
+        >>> block = nn.Linear(100, 100)  # weight 40,000 bytes, bias 400
+        >>> uses = list(block.parameters())
+        >>> shared_grad_bytes([uses, [], uses])
+        [80400, 40400, 0]
         >>> shared_grad_bytes([list(nn.Linear(100, 100).parameters()) for _ in range(2)])
-        0
+        [0, 0]
     """
-    uses: dict[int, tuple[torch.Tensor, int]] = {}
-    for params in used:
+    users: dict[int, tuple[torch.Tensor, list[int]]] = {}
+    for i, params in enumerate(used):
         for p in {id(p): p for p in params}.values():
-            uses[id(p)] = (p, uses[id(p)][1] + 1 if id(p) in uses else 1)
-    shared = [p.nbytes for p, count in uses.values() if count > 1]
-    return sum(shared) + max(shared, default=0)
+            users.setdefault(id(p), (p, []))[1].append(i)
+    held = [0] * len(used)
+    adding = [0] * len(used)
+    for p, items in users.values():
+        for i in range(items[0], items[-1]):
+            held[i] += p.nbytes
+        for i in items[:-1]:
+            adding[i] = max(adding[i], p.nbytes)
+    return [h + a for h, a in zip(held, adding, strict=True)]
