@@ -18,11 +18,13 @@ def layer(
     input_held: bool = True,
     output_held: bool = True,
     returns_input: bool = False,
+    shared_grad: int = 0,
 ) -> LayerProfile:
     """A layer whose output is ``act`` bytes, keeping ``saved`` (default ``act``),
     and ``region_kept`` when recomputed until its recompute, besides
     ``region_cast`` until the forward ends (autocast's casts); ``input_held``,
-    ``output_held`` and ``returns_input`` as :class:`LayerProfile` has them."""
+    ``output_held``, ``returns_input`` and ``shared_grad`` (its
+    ``shared_grad_bytes``) as :class:`LayerProfile` has them."""
     kept = act if saved is None else saved
     return LayerProfile(
         name="synthetic",
@@ -40,6 +42,7 @@ def layer(
         input_held=input_held,
         output_held=output_held,
         returns_input=returns_input,
+        shared_grad_bytes=shared_grad,
     )
 
 

@@ -122,6 +122,8 @@ def profiles(draw: st.DrawFn) -> tuple[ChainProfile, int]:
             output_held=draw(st.booleans()),
             # a view of its input (looked through when nothing holds it)
             returns_input=draw(st.booleans()),
+            # gradient sums of parameters shared with later layers
+            shared_grad=draw(st.sampled_from([0, 0, 0, 5, 30])) * 1000,
         )
         for _ in range(n)
     ]
