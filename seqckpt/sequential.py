@@ -122,7 +122,9 @@ def checkpoint_sequential(
             memory less what the step has yet to allocate), chosen from the
             chain's frontier: profiled once (and once more at a second size),
             then predicted for every input shape (see
-            :mod:`seqckpt.planner.adaptive`).
+            :mod:`seqckpt.planner.adaptive`); profiled anew for each set of
+            trainable parameters (layers frozen or unfrozen) and autocast
+            state.
         input: passed to the first module, as ``nn.Sequential`` does; tuples and
             dicts flowing between stages are fine.
         use_reentrant: accepted for torch compatibility and ignored.

@@ -370,11 +370,12 @@ def _timed_profile(
 
 
 def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
-    """The frontier ``segments="auto"`` keeps for this chain and kind of input
+    """The frontier ``segments="auto"`` keeps for this chain, kind of input
     (``size`` is the input's :func:`input_size`; an image size or signal
-    length is a kind of its own, see :func:`image_sizes`): profiled on the
-    first call, and once more at the first size that differs by a tenth (or
-    where measured peaks drifted); then reused for every batch of that kind."""
+    length is a kind of its own, see :func:`image_sizes`) and set of
+    trainable parameters (see :class:`_ChainEntry`): profiled on the first
+    call, and once more at the first size that differs by a tenth (or where
+    measured peaks drifted); then reused for every batch of that kind."""
     key = _frontier_key(chain, input)
     entry = _FRONTIERS.get(key)
     if entry is None or not _same_items(entry.holders, chain):
