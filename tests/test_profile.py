@@ -115,6 +115,34 @@ def test_tuple_passing_chain_and_plain_callables() -> None:
     assert "split" in prof.table() and "join" in prof.table()
 
 
+def test_shared_parameters_are_found_from_each_items_graph() -> None:
+    # Two callables closing over one ModuleList: each uses only its own
+    # layers (a walk of their modules would find all four in both); the one
+    # called twice shares its layer with itself. The JSON round trip and the
+    # table keep the figures.
+    lins = nn.ModuleList([nn.Linear(16, 16) for _ in range(3)])
+
+    def first(x: torch.Tensor) -> torch.Tensor:
+        return lins[0](x).tanh()
+
+    def middle(x: torch.Tensor) -> torch.Tensor:
+        return lins[1](x).tanh()
+
+    def last(x: torch.Tensor) -> torch.Tensor:
+        return lins[2](x)
+
+    x = torch.randn(4, 16, requires_grad=True)
+    prof = seqckpt.profile([first, middle, middle, last], x, repeats=1)
+    weight, bias = lins[1].weight.nbytes, lins[1].bias.nbytes
+    assert [p.shared_grad_bytes for p in prof.layers] == [0, 2 * weight + bias, 0, 0]
+    assert "shared by items" in prof.table()
+    again = seqckpt.planner.ChainProfile.from_dict(prof.to_dict())
+    assert again.layers[1].shared_grad_bytes == prof.layers[1].shared_grad_bytes
+    plain = seqckpt.profile([first, middle, last], x, repeats=1)
+    assert not any(p.shared_grad_bytes for p in plain.layers)
+    assert "shared by items" not in plain.table()
+
+
 def test_input_without_grad_has_no_input_gradient() -> None:
     model = nn.Sequential(nn.Linear(256, 256))
     x = torch.randn(512, 256)
