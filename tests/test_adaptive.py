@@ -402,6 +402,18 @@ def test_unfreezing_layers_gets_a_plan_for_the_new_trainable_set() -> None:
     )
 
 
+def test_the_frontier_key_reads_autocast_where_the_device_has_it() -> None:
+    # (torch.is_autocast_enabled raises for a device type without autocast,
+    # such as meta)
+    from seqckpt.planner.planning import _frontier_key
+
+    chain = list(token_chain())
+    assert _frontier_key(chain, torch.empty(2, 4, device="meta"))[-1] is None
+    assert _frontier_key(chain, tokens(4))[-1] is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _frontier_key(chain, tokens(4))[-1] == torch.bfloat16
+
+
 def test_a_freed_chain_is_not_kept_alive_by_its_frontier() -> None:
     # segments="auto" keeps each chain's frontier after the step; what it
     # keeps of the chain (its items, its parameters' grad flags) it holds

@@ -309,7 +309,8 @@ def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     device_type = tensors[0].device.type if tensors else "cpu"
     autocast = (
         torch.get_autocast_dtype(device_type)
-        if torch.is_autocast_enabled(device_type)
+        if torch.amp.is_autocast_available(device_type)
+        and torch.is_autocast_enabled(device_type)
         else None
     )
     return (tuple(id(m) for m in chain), kinds, image_sizes(tensors), autocast)
