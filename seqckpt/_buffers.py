@@ -10,7 +10,8 @@ Which modules a region runs is read off the callable (:func:`modules_of`): the
 module itself, the object of a bound method (HF's ``layer.__call__``), the
 callable and arguments of a ``functools.partial``, what a closure captures
 (timm's ``checkpoint_seq`` and torch's ``run_function`` close over a tuple or
-list of modules), what an object holds in its attributes (a callable object,
+list of modules) or binds as default arguments (``lambda t, block=block:
+block(t)`` in a loop), what an object holds in its attributes (a callable object,
 or a script's own class that a lambda closes over), and modules inside tuples,
 lists, dicts and sets of any of those, four levels deep. A module reached only
 through a global is not visible that way; :func:`watching_modules` finds every
@@ -183,6 +184,9 @@ def _held_by(obj: object) -> Iterator[object]:
                 yield cell.cell_contents
             except ValueError:  # an empty cell
                 continue
+        # bound as default arguments: ``lambda t, block=block: block(t)``
+        yield from getattr(obj, "__defaults__", None) or ()
+        yield from (getattr(obj, "__kwdefaults__", None) or {}).values()
         yield getattr(obj, "__wrapped__", None)
     elif isinstance(obj, (type, types.ModuleType, torch.Tensor)):
         return

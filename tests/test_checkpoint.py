@@ -416,6 +416,10 @@ GENERATOR_CALLS: dict[str, tuple[Call, Call]] = {
         lambda m, g, x: m[2](m[1](checkpoint(lambda h: m[0](h, g), x))),
         lambda m, g, x: m[2](m[1](m[0](x, g))),
     ),
+    "default": (  # bound as default arguments, as a loop binds them
+        lambda m, g, x: m[2](m[1](checkpoint(lambda h, f=m[0], g=g: f(h, g), x))),
+        lambda m, g, x: m[2](m[1](m[0](x, g))),
+    ),
     "chain_closure": (  # a chain item that is a plain callable
         lambda m, g, x: seqckpt.checkpoint_sequential(
             [lambda h: m[0](h, g), m[1], m[2]], 2, x
@@ -910,6 +914,10 @@ def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
     assert_matches_plain(model, x, lambda m, x: checkpoint(m, x))
     # also when the module is reached through a closure
     assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t: m(t), x))
+    # or bound as a default argument, as loops bind their variable (the walk
+    # did not look there: BatchNorm's statistics were updated twice)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t, b=m: b(t), x))
+    assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t, *, b=m: b(t), x))
 
 
 class EmaCodebook(nn.Module):
