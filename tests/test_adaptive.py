@@ -402,6 +402,48 @@ def test_unfreezing_layers_gets_a_plan_for_the_new_trainable_set() -> None:
     )
 
 
+def _scaled(block: nn.Module, x: torch.Tensor, scale: float) -> torch.Tensor:
+    return block(x) * scale
+
+
+def test_a_chain_remade_at_every_call_is_profiled_once() -> None:
+    # Blocks given something per batch (a mask) through a functools.partial
+    # or a lambda made at every call: the items are new objects each time,
+    # and each step profiled the chain again (a profile costs about a step).
+    # A chain whose items run the same code on the same modules shares the
+    # frontiers; other modules get their own.
+    import functools
+
+    model = token_chain()
+    before = AUTO_STATS.profiles
+    for _ in range(3):
+        chain = [functools.partial(_scaled, b, scale=0.5) for b in model]
+        out = seqckpt.checkpoint_sequential(
+            chain, "auto", tokens(16), memory_budget=10**9
+        )
+        out.sum().backward()
+    assert AUTO_STATS.profiles - before == 1
+    for _ in range(2):
+        lambdas = [lambda t, b=b: _scaled(b, t, 2.0) for b in model]
+        seqckpt.checkpoint_sequential(lambdas, "auto", tokens(16), memory_budget=10**9)
+    assert AUTO_STATS.profiles - before == 2  # other code: a chain of its own
+    other = [functools.partial(_scaled, b, scale=0.5) for b in token_chain()]
+    seqckpt.checkpoint_sequential(other, "auto", tokens(16), memory_budget=10**9)
+    assert AUTO_STATS.profiles - before == 3  # other modules
+    budget = measure_peak(model, tokens(16), lambda m, t: m(t), "cpu") // 2
+    assert_matches_plain(
+        model,
+        tokens(16),
+        lambda m, t: seqckpt.checkpoint_sequential(
+            [functools.partial(_scaled, b, scale=0.5) for b in m],
+            "auto",
+            t,
+            memory_budget=budget,
+        ),
+        plain=lambda m, t: functools.reduce(lambda h, b: _scaled(b, h, 0.5), m, t),
+    )
+
+
 def test_the_frontier_key_reads_autocast_where_the_device_has_it() -> None:
     # (torch.is_autocast_enabled raises for a device type without autocast,
     # such as meta)

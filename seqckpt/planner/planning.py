@@ -4,6 +4,7 @@ the ``segments="auto"`` choice of :func:`seqckpt.checkpoint_sequential`."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 import weakref
@@ -13,6 +14,7 @@ from contextlib import ExitStack
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from seqckpt._buffers import modules_of
 from seqckpt._chain import as_chain
@@ -326,14 +328,70 @@ class _ChainEntry:
 
     __slots__ = ("holders", "parameters", "frontiers")
 
-    def __init__(self, chain: Sequence[Any]) -> None:
+    def __init__(self, chain: Sequence[Any], like: _ChainEntry | None = None) -> None:
         self.holders = _holders(chain)
-        # (weakly, as the items: a freed chain's parameters are not kept alive)
-        self.parameters = [weakref.ref(p) for p in chain_parameters(chain)]
-        self.frontiers: dict[tuple[bool, ...], Frontier] = {}
+        self.parameters: list[weakref.ref[torch.Tensor]]
+        self.frontiers: dict[tuple[bool, ...], Frontier]
+        if like is not None:  # the same chain remade (see _entry_for)
+            self.parameters, self.frontiers = like.parameters, like.frontiers
+        else:
+            # (weakly, as the items: a freed chain's parameters stay freed)
+            self.parameters = [weakref.ref(p) for p in chain_parameters(chain)]
+            self.frontiers = {}
 
     def trainable(self) -> tuple[bool, ...]:
         return tuple([getattr(p(), "requires_grad", False) for p in self.parameters])
+
+
+# Chains whose callables are made anew at every call (a functools.partial or a
+# lambda per block, to pass the batch's mask), by what their items run: a
+# remade chain shares the frontiers of the one before instead of profiling
+# again at every step.
+_BY_RUNS: OrderedDict[tuple[Any, ...], tuple[Any, _ChainEntry]] = OrderedDict()
+
+
+def _runs(item: Any) -> tuple[Any, ...] | None:
+    """What tells a chain item apart for planning: a module itself; another
+    callable, its code (or the module a ``functools.partial`` calls) and the
+    modules it runs; None where the module walk finds none (reached through
+    a global): then only the object itself tells it apart."""
+    if isinstance(item, nn.Module):
+        return (item,)
+    func = item
+    while isinstance(func, functools.partial):
+        func = func.func
+    code = (
+        func
+        if isinstance(func, nn.Module)
+        else getattr(getattr(func, "__func__", func), "__code__", None)
+    )
+    modules = modules_of(item)
+    return (code, *modules) if code is not None and modules else None
+
+
+def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
+    """A new entry for ``chain``, sharing the frontiers of an earlier chain
+    whose items run the same code on the same modules (see :data:`_BY_RUNS`)."""
+    if torch.compiler.is_compiling() or all(
+        isinstance(item, nn.Module) for item in chain
+    ):
+        return _ChainEntry(chain)
+    found_runs = [_runs(item) for item in chain]
+    runs = [r for r in found_runs if r is not None]
+    if len(runs) < len(chain):
+        return _ChainEntry(chain)
+    runs_key = (tuple(tuple(map(id, r)) for r in runs), *key[1:])
+    found = _BY_RUNS.get(runs_key)
+    if found is not None and all(
+        _same_items(held, r) for held, r in zip(found[0], runs, strict=True)
+    ):
+        return _ChainEntry(chain, like=found[1])
+    entry = _ChainEntry(chain)
+    _BY_RUNS.pop(runs_key, None)
+    _BY_RUNS[runs_key] = (tuple(_holders(r) for r in runs), entry)
+    if len(_BY_RUNS) > _AUTO_CACHE_SIZE:
+        _BY_RUNS.popitem(last=False)
+    return entry
 
 
 def _holders(chain: Sequence[Any]) -> tuple[tuple[bool, Any], ...]:
@@ -380,7 +438,7 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
     key = _frontier_key(chain, input)
     entry = _FRONTIERS.get(key)
     if entry is None or not _same_items(entry.holders, chain):
-        entry = _ChainEntry(chain)
+        entry = _entry_for(chain, key)
         _FRONTIERS.pop(key, None)  # a freed chain's, under reused ids
         _FRONTIERS[key] = entry
         if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
