@@ -11,8 +11,9 @@ module itself, the object of a bound method (HF's ``layer.__call__``), the
 callable and arguments of a ``functools.partial``, what a closure captures
 (timm's ``checkpoint_seq`` and torch's ``run_function`` close over a tuple or
 list of modules) or binds as default arguments (``lambda t, block=block:
-block(t)`` in a loop), what an object holds in its attributes (a callable object,
-or a script's own class that a lambda closes over), and modules inside tuples,
+block(t)`` in a loop), what an object holds in its attributes or slots (a
+callable object, or a script's own class that a lambda closes over), and
+modules inside tuples,
 lists, dicts and sets of any of those, four levels deep. A module reached only
 through a global is not visible that way; :func:`watching_modules` finds every
 module a region calls, however it is reached, with a global forward pre-hook.
@@ -63,6 +64,7 @@ import functools
 import itertools
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -190,12 +192,41 @@ def _held_by(obj: object) -> Iterator[object]:
         yield getattr(obj, "__wrapped__", None)
     elif isinstance(obj, (type, types.ModuleType, torch.Tensor)):
         return
-    elif (attributes := _plain_attribute(obj, "__dict__")) is not None:
-        # an object's attributes: a callable object's, or a training script's
-        # own class a lambda closes over (``lambda h: self.model(h)``)
-        yield from attributes.values()
     else:
-        yield _plain_attribute(obj, "__self__")  # a bound builtin method
+        # an object's attributes: a callable object's, or a training script's
+        # own class a lambda closes over (``lambda h: self.model(h)``), in its
+        # __dict__ and its slots (``@dataclass(slots=True)``)
+        attributes = _plain_attribute(obj, "__dict__")
+        slots = _slot_names(type(obj))
+        if attributes is None and not slots:
+            yield _plain_attribute(obj, "__self__")  # a bound builtin method
+            return
+        if attributes is not None:
+            yield from attributes.values()
+        for name in slots:
+            yield _plain_attribute(obj, name)
+
+
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The attribute names of the slots ``cls`` and its bases declare (private
+    names as Python mangles them)."""
+    known = _SLOTS.get(cls)
+    if known is not None:
+        return known
+    names: list[str] = []
+    for klass in cls.__mro__:
+        declared = klass.__dict__.get("__slots__", ())
+        for name in (declared,) if isinstance(declared, str) else declared:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                name = f"_{klass.__name__.lstrip('_')}{name}"
+            names.append(name)
+    _SLOTS[cls] = found = tuple(names)
+    return found
 
 
 def _plain_attribute(obj: object, name: str) -> Any:

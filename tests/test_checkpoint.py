@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import functools
 import gc
 import threading
@@ -908,6 +909,26 @@ class Counter(nn.Module):
         return x * self.steps
 
 
+@dataclasses.dataclass(slots=True)
+class SlotRunner:
+    """A callable holding its module in a slot (no ``__dict__``)."""
+
+    block: nn.Module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+class PrivateSlot:
+    __slots__ = ("__block",)  # stored as _PrivateSlot__block
+
+    def __init__(self, block: nn.Module) -> None:
+        self.__block = block
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.__block(x)
+
+
 def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), Counter(), nn.Tanh())
     x = torch.randn(5, 4, requires_grad=True)
@@ -918,6 +939,9 @@ def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
     # did not look there: BatchNorm's statistics were updated twice)
     assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t, b=m: b(t), x))
     assert_matches_plain(model, x, lambda m, x: checkpoint(lambda t, *, b=m: b(t), x))
+    # or held in an object's slots (the walk read __dict__ only)
+    assert_matches_plain(model, x, lambda m, x: checkpoint(SlotRunner(m), x))
+    assert_matches_plain(model, x, lambda m, x: checkpoint(PrivateSlot(m).run, x))
 
 
 class EmaCodebook(nn.Module):
