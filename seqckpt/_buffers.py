@@ -13,8 +13,8 @@ callable and arguments of a ``functools.partial``, what a closure captures
 list of modules) or binds as default arguments (``lambda t, block=block:
 block(t)`` in a loop), what an object holds in its attributes or slots (a
 callable object, or a script's own class that a lambda closes over), and
-modules inside tuples,
-lists, dicts and sets of any of those, four levels deep. A module reached only
+modules inside tuples, lists, deques, dicts and sets of any of those or behind
+a weak reference, four levels deep. A module reached only
 through a global is not visible that way; :func:`watching_modules` finds every
 module a region calls, however it is reached, with a global forward pre-hook.
 It costs a few microseconds per module call (the hook moves every module call
@@ -60,6 +60,7 @@ Internal: nothing here is public API.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import threading
@@ -171,8 +172,10 @@ _WALK_BUDGET = 256
 
 def _held_by(obj: object) -> Iterator[object]:
     """The objects ``obj`` holds that the module walk looks into."""
-    if isinstance(obj, (tuple, list, set, frozenset)):
+    if isinstance(obj, (tuple, list, set, frozenset, collections.deque)):
         yield from obj
+    elif isinstance(obj, weakref.ref):  # a module held weakly
+        yield obj()
     elif isinstance(obj, dict):
         yield from obj.values()
     elif isinstance(obj, functools.partial):

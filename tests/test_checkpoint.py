@@ -919,6 +919,18 @@ class SlotRunner:
         return self.block(x)
 
 
+class WeakHolder:
+    """A callable holding its module through a weak reference."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.ref = weakref.ref(block)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.ref()
+        assert block is not None
+        return block(x)
+
+
 class PrivateSlot:
     __slots__ = ("__block",)  # stored as _PrivateSlot__block
 
@@ -942,6 +954,13 @@ def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
     # or held in an object's slots (the walk read __dict__ only)
     assert_matches_plain(model, x, lambda m, x: checkpoint(SlotRunner(m), x))
     assert_matches_plain(model, x, lambda m, x: checkpoint(PrivateSlot(m).run, x))
+    # in a deque, or behind a weak reference
+    assert_matches_plain(
+        model,
+        x,
+        lambda m, x: checkpoint(lambda t, d=collections.deque([m]): d[0](t), x),
+    )
+    assert_matches_plain(model, x, lambda m, x: checkpoint(WeakHolder(m), x))
 
 
 class EmaCodebook(nn.Module):
