@@ -376,9 +376,8 @@ def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
         isinstance(item, nn.Module) for item in chain
     ):
         return _ChainEntry(chain)
-    found_runs = [_runs(item) for item in chain]
-    runs = [r for r in found_runs if r is not None]
-    if len(runs) < len(chain):
+    runs = [r for r in map(_runs, chain) if r is not None]
+    if len(runs) < len(chain):  # an item told apart by the object alone
         return _ChainEntry(chain)
     runs_key = (tuple(tuple(map(id, r)) for r in runs), *key[1:])
     found = _BY_RUNS.get(runs_key)
