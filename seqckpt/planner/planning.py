@@ -28,7 +28,7 @@ from seqckpt.planner.adaptive import (
     input_size,
 )
 from seqckpt.planner.budget import format_bytes, parse_budget
-from seqckpt.planner.profile import ChainProfile, _candidates
+from seqckpt.planner.profile import ChainProfile, _candidates, chain_parameters
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
 from seqckpt.planner.tree import Plan, PlanError
@@ -218,17 +218,6 @@ def available_bytes(chain: Sequence[Any], free: int, cached: int) -> int:
             "free memory, or give memory_budget= explicitly."
         )
     return room
-
-
-def chain_parameters(chain: Sequence[Any]) -> list[torch.Tensor]:
-    """The parameters of the modules the chain's items run, each once."""
-    params = {
-        id(p): p
-        for item in chain
-        for module in modules_of(item)
-        for p in module.parameters()
-    }
-    return list(params.values())
 
 
 def _device_budget(chain: Sequence[Any], input: Any) -> int:

@@ -735,7 +735,11 @@ def profile(
                 layers.append(replace(twin[0], name=_name(item)))
                 x = twin[1]
                 # the same object uses the same parameters; another its own
-                used.append(twin[3] if twin[2] is item else _trainable(item))
+                used.append(
+                    twin[3]
+                    if twin[2] is item
+                    else [p for p in chain_parameters([item]) if p.requires_grad]
+                )
                 continue
             layer, x, reached = _profile_item(
                 item, x, device, repeats, chosen, box, last
@@ -754,8 +758,15 @@ def profile(
     )
 
 
-def _trainable(item: Any) -> list[torch.Tensor]:
-    return [p for m in modules_of(item) for p in m.parameters() if p.requires_grad]
+def chain_parameters(chain: Sequence[Any]) -> list[torch.Tensor]:
+    """The parameters of the modules the chain's items run, each once."""
+    params = {
+        id(p): p
+        for item in chain
+        for module in modules_of(item)
+        for p in module.parameters()
+    }
+    return list(params.values())
 
 
 def shared_grad_bytes(used: Sequence[Sequence[torch.Tensor]]) -> list[int]:
