@@ -377,9 +377,10 @@ def test_unfreezing_layers_gets_a_plan_for_the_new_trainable_set() -> None:
     # A frozen layer keeps nothing for backward; unfrozen (gradual unfreezing
     # in fine-tuning) it keeps its activations. segments="auto" kept using
     # the plan made while the layers were frozen (here: keep everything),
-    # 1.7x the budget on this chain, no error. Each set of trainable parameters gets a frontier of
-    # its own, and one that comes back (a GAN's discriminator, frozen for
-    # every generator step) finds its frontier again.
+    # 1.7x the budget on this chain, no error. Each set of trainable
+    # parameters gets a frontier of its own, and one that comes back (a GAN's
+    # discriminator, frozen for every generator step) finds its frontier
+    # again.
     torch.manual_seed(0)
     model = nn.Sequential(
         *[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]
