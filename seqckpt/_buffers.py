@@ -14,9 +14,12 @@ list of modules) or binds as default arguments (``lambda t, block=block:
 block(t)`` in a loop), what an object holds in its attributes or slots (a
 callable object, or a script's own class that a lambda closes over), and
 modules inside tuples, lists, deques, dicts and sets of any of those or behind
-a weak reference, four levels deep. A module reached only
-through a global is not visible that way; :func:`watching_modules` finds every
-module a region calls, however it is reached, with a global forward pre-hook.
+a weak reference, four levels deep, and the modules (and generators) its code
+names as globals (``def run(x): return model.encoder(x)`` in a script). A
+module reached only through a global object's attributes (``trainer.model``
+named in the code) is not visible that way; :func:`watching_modules` finds
+every module a region calls, however it is reached, with a global forward
+pre-hook.
 It costs a few microseconds per module call (the hook moves every module call
 onto ``nn.Module``'s slow path), so it runs only with
 ``determinism_check="values"``. The buffers of each module found and of all its
@@ -63,6 +66,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import os
 import threading
 import types
 import weakref
@@ -193,6 +197,7 @@ def _held_by(obj: object) -> Iterator[object]:
         yield from getattr(obj, "__defaults__", None) or ()
         yield from (getattr(obj, "__kwdefaults__", None) or {}).values()
         yield getattr(obj, "__wrapped__", None)
+        yield from _globals_used(obj)
     elif isinstance(obj, (type, types.ModuleType, torch.Tensor)):
         return
     else:
@@ -208,6 +213,47 @@ def _held_by(obj: object) -> Iterator[object]:
             yield from attributes.values()
         for name in slots:
             yield _plain_attribute(obj, name)
+
+
+def _globals_used(function: types.FunctionType | types.MethodType) -> Iterator[object]:
+    """The modules and generators ``function`` reaches through the globals its
+    code names (``def run(x): return model.encoder(x)`` in a script), read
+    from its module's namespace at each call: a global rebound between calls
+    is found as it is then. Other globals (functions, plain objects) are not
+    walked into: a library function's namespace holds nothing of the user's."""
+    code = getattr(function, "__code__", None)
+    namespace = getattr(function, "__globals__", None)
+    if code is None or namespace is None:
+        return
+    for name in _global_names(code):
+        value = namespace.get(name)
+        if isinstance(value, nn.Module) or type(value) is _GENERATOR:
+            yield value
+
+
+_TORCH_SOURCE = os.path.dirname(torch.__file__) + os.sep
+_NAMES: weakref.WeakKeyDictionary[types.CodeType, tuple[str, ...]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The names ``code`` and the code nested in it (comprehensions, inner
+    functions) look up as globals or attributes, cached per code object;
+    none for torch's own code (``nn.Module.__call__``, which HF's layers
+    checkpoint): its namespace holds no module of the user's."""
+    known = _NAMES.get(code)
+    if known is not None:
+        return known
+    if code.co_filename.startswith(_TORCH_SOURCE):
+        _NAMES[code] = ()
+        return ()
+    names = dict.fromkeys(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names.update(dict.fromkeys(_global_names(constant)))
+    _NAMES[code] = found = tuple(names)
+    return found
 
 
 _SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()

@@ -655,8 +655,9 @@ class _Region:
             f"{before.tolist()} vs {after.tolist()}). Something "
             "nondeterministic runs inside: RNG outside torch, a "
             "torch.Generator of your own that the region reaches through a "
-            "global (the default generators and those its modules hold, it is "
-            "given or closes over are replayed), nondeterministic kernels, or "
+            "global object's attribute (the default generators and those its "
+            "modules hold, it is given, closes over or names as a global are "
+            "replayed), nondeterministic kernels, or "
             "state changed between the runs." + debug
         )
 

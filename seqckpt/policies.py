@@ -453,8 +453,9 @@ def rng_after(func: Any, kwargs: dict[str, Any], out: Any) -> GeneratorStates | 
 
 def _put_rng(states: GeneratorStates, replayed: Collection[int]) -> None:
     """Put ``states`` in place for the generators among ``replayed`` (a
-    generator the region does not replay, one reached through a global, is
-    left as the caller has it: the draw is served, nothing else changes)."""
+    generator the region does not replay, one reached through a global
+    object's attribute, is left as the caller has it: the draw is served,
+    nothing else changes)."""
     for g, state in states:
         if generator_key(g) not in replayed:
             continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -403,6 +404,36 @@ def test_unfreezing_layers_gets_a_plan_for_the_new_trainable_set() -> None:
     )
 
 
+def test_switching_train_and_eval_gets_a_plan_for_each_mode() -> None:
+    # Dropout keeps its mask for backward only in training mode. A first step
+    # in eval mode with gradients on (an adversarial attack computed before
+    # the training step) made the plan every later training step ran: 1.14x
+    # the budget on this chain, no error. Each set of training flags gets a
+    # frontier of its own, found again when it comes back.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Dropout(0.1))
+            for _ in range(8)
+        ]
+    )
+    x = torch.randn(64, 256, requires_grad=True)
+    budget = measure_peak(model, x, lambda m, t: m(t), "cpu") // 2
+    before = AUTO_STATS.profiles
+    for training in (False, True, False, True):
+        model.train(training)
+        peak = measure_peak(
+            model,
+            x,
+            lambda m, t: seqckpt.checkpoint_sequential(
+                m, "auto", t, memory_budget=budget
+            ),
+            "cpu",
+        )
+        assert peak <= budget, (training, peak / budget)
+    assert AUTO_STATS.profiles - before == 2
+
+
 def _scaled(block: nn.Module, x: torch.Tensor, scale: float) -> torch.Tensor:
     return block(x) * scale
 
@@ -443,6 +474,42 @@ def test_a_chain_remade_at_every_call_is_profiled_once() -> None:
         ),
         plain=lambda m, t: functools.reduce(lambda h, b: _scaled(b, h, 0.5), m, t),
     )
+
+
+def test_remade_chains_that_index_one_container_are_told_apart() -> None:
+    # Items that pick their block by a bound index (``lambda t, i=i:
+    # blocks[i](t)``) run the same code on the same container for every
+    # index: two chains over different blocks of it shared one frontier, and
+    # the wider blocks ran on the narrow ones' plan (2.0x the budget, no
+    # error). The bound plain values tell them apart.
+    torch.manual_seed(0)
+
+    def block(width: int) -> nn.Sequential:
+        return nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, 64))
+
+    blocks = nn.ModuleList(
+        [block(64) for _ in range(4)] + [block(1024) for _ in range(4)]
+    )
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def chain(lo: int, hi: int) -> list[Any]:
+        return [lambda t, i=i: blocks[i](t) for i in range(lo, hi)]
+
+    wide = nn.Sequential(*blocks[4:])
+    budget = measure_peak(wide, x, lambda m, t: m(t), "cpu") // 2
+    before = AUTO_STATS.profiles
+    for _ in range(2):
+        for lo, hi in ((0, 4), (4, 8)):
+            peak = measure_peak(
+                blocks,
+                x,
+                lambda m, t: seqckpt.checkpoint_sequential(
+                    chain(lo, hi), "auto", t, memory_budget=budget
+                ),
+                "cpu",
+            )
+            assert peak <= budget, (lo, hi, peak / budget)
+    assert AUTO_STATS.profiles - before == 2  # one per chain, not per call
 
 
 def test_the_frontier_key_reads_autocast_where_the_device_has_it() -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import gc
 import threading
+import types
 import warnings
 import weakref
 from collections import namedtuple
@@ -405,6 +406,25 @@ def test_rrelu_ending_a_region(check: str, where: str) -> None:
 
 
 Call = Callable[[nn.Sequential, torch.Generator, torch.Tensor], torch.Tensor]
+
+# a script's globals, as a notebook holds its model
+GLOBAL_NOISE: nn.Module | None = None
+GLOBAL_GENERATOR_OF_ITS_OWN: torch.Generator | None = None
+
+
+def run_through_globals(h: torch.Tensor) -> torch.Tensor:
+    assert GLOBAL_NOISE is not None
+    return GLOBAL_NOISE(h, GLOBAL_GENERATOR_OF_ITS_OWN)
+
+
+def checkpoint_through_globals(
+    m: nn.Sequential, g: torch.Generator, x: torch.Tensor
+) -> torch.Tensor:
+    global GLOBAL_NOISE, GLOBAL_GENERATOR_OF_ITS_OWN
+    GLOBAL_NOISE, GLOBAL_GENERATOR_OF_ITS_OWN = m[0], g
+    return m[2](m[1](checkpoint(run_through_globals, x)))
+
+
 # How the generator is reached: (checkpointed call, plain call) of the chain
 # NoiseOfItsOwn, Linear, NoiseOfItsOwn; ``gen`` is a generator the caller holds.
 GENERATOR_CALLS: dict[str, tuple[Call, Call]] = {
@@ -425,6 +445,10 @@ GENERATOR_CALLS: dict[str, tuple[Call, Call]] = {
         lambda m, g, x: seqckpt.checkpoint_sequential(
             [lambda h: m[0](h, g), m[1], m[2]], 2, x
         ),
+        lambda m, g, x: m[2](m[1](m[0](x, g))),
+    ),
+    "global": (  # the walk did not read globals: not replayed
+        checkpoint_through_globals,
         lambda m, g, x: m[2](m[1](m[0](x, g))),
     ),
     "argument": (
@@ -587,17 +611,19 @@ def test_values_check_catches_value_drift() -> None:
         y.sum().backward()
 
 
-GLOBAL_GENERATOR = torch.Generator().manual_seed(3)
+# a generator held by a plain object: globals are walked into only where they
+# are modules or generators themselves
+NOISE_SOURCE = types.SimpleNamespace(generator=torch.Generator().manual_seed(3))
 
 
 def test_values_check_names_a_generator_of_your_own() -> None:
-    # A generator of the user's own that the region reaches through a global is
-    # not seen, so not replayed (as in torch): it has moved on by the
-    # recompute, which draws other numbers.
+    # A generator of the user's own that the region reaches through a global
+    # object is not seen, so not replayed (as in torch): it has moved on by
+    # the recompute, which draws other numbers.
     x = torch.randn(4, 4, requires_grad=True)
 
     def noisy(x: torch.Tensor) -> torch.Tensor:
-        return (x * torch.rand(4, 4, generator=GLOBAL_GENERATOR)).exp()
+        return (x * torch.rand(4, 4, generator=NOISE_SOURCE.generator)).exp()
 
     y = checkpoint(noisy, x, determinism_check="values")
     with pytest.raises(CheckpointError, match="torch.Generator of your own"):
@@ -961,6 +987,35 @@ def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
         lambda m, x: checkpoint(lambda t, d=collections.deque([m]): d[0](t), x),
     )
     assert_matches_plain(model, x, lambda m, x: checkpoint(WeakHolder(m), x))
+    # or a global, as a script or notebook holds its model (the walk did not
+    # read globals: BatchNorm's statistics updated twice, Counter's input
+    # gradient off)
+    assert_matches_plain(model, x, through_global(run_global_model))
+    assert_matches_plain(model, x, through_global(run_global_in_loop))
+
+
+GLOBAL_MODEL: nn.Module | None = None
+
+
+def through_global(
+    run: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    def call(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        global GLOBAL_MODEL
+        GLOBAL_MODEL = m  # the oracle's copy of the model
+        return checkpoint(run, x)
+
+    return call
+
+
+def run_global_model(x: torch.Tensor) -> torch.Tensor:
+    assert GLOBAL_MODEL is not None
+    return GLOBAL_MODEL(x)
+
+
+def run_global_in_loop(x: torch.Tensor) -> torch.Tensor:
+    # the global named in a comprehension's own code object
+    return [GLOBAL_MODEL(h) for h in (x,)][0]  # type: ignore[misc]
 
 
 class EmaCodebook(nn.Module):

@@ -311,25 +311,41 @@ class _ChainEntry:
     """A chain's frontiers (see :data:`_FRONTIERS`): a chain whose layers
     are frozen or unfrozen between steps (gradual unfreezing in fine-tuning,
     a GAN's discriminator frozen for the generator's step) keeps other
-    tensors for backward, so each set of parameters that require grad gets a
+    tensors for backward, and so does one whose modules switch between
+    training and eval mode (dropout keeps its mask only in training; an
+    attack computed in eval mode before the training step), so each set of
+    parameters that require grad and of modules in training mode gets a
     frontier of its own. (A plain class: dynamo 2.13 fails to trace a
     dataclass's attributes here.)"""
 
-    __slots__ = ("holders", "parameters", "frontiers")
+    __slots__ = ("holders", "parameters", "modules", "frontiers")
 
     def __init__(self, chain: Sequence[Any], like: _ChainEntry | None = None) -> None:
         self.holders = _holders(chain)
         self.parameters: list[weakref.ref[torch.Tensor]]
-        self.frontiers: dict[tuple[bool, ...], Frontier]
+        self.modules: list[weakref.ref[nn.Module]]
+        self.frontiers: dict[tuple[tuple[bool, ...], tuple[bool, ...]], Frontier]
         if like is not None:  # the same chain remade (see _entry_for)
-            self.parameters, self.frontiers = like.parameters, like.frontiers
+            self.parameters, self.modules = like.parameters, like.modules
+            self.frontiers = like.frontiers
         else:
             # (weakly, as the items: a freed chain's parameters stay freed)
             self.parameters = [weakref.ref(p) for p in chain_parameters(chain)]
+            modules = {
+                id(m): m
+                for item in chain
+                for top in modules_of(item)
+                for m in top.modules()
+            }
+            self.modules = [weakref.ref(m) for m in modules.values()]
             self.frontiers = {}
 
-    def trainable(self) -> tuple[bool, ...]:
-        return tuple([getattr(p(), "requires_grad", False) for p in self.parameters])
+    def state(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+        """Which parameters require grad and which modules are training."""
+        return (
+            tuple([getattr(p(), "requires_grad", False) for p in self.parameters]),
+            tuple([getattr(m(), "training", False) for m in self.modules]),
+        )
 
 
 # Chains whose callables are made anew at every call (a functools.partial or a
@@ -343,7 +359,8 @@ def _runs(item: Any) -> tuple[Any, ...] | None:
     """What tells a chain item apart for planning: a module itself; another
     callable, its code (or the module a ``functools.partial`` calls) and the
     modules it runs; None where the module walk finds none (reached through
-    a global): then only the object itself tells it apart."""
+    a global object's attribute): then only the object itself tells it
+    apart."""
     if isinstance(item, nn.Module):
         return (item,)
     func = item
@@ -358,9 +375,39 @@ def _runs(item: Any) -> tuple[Any, ...] | None:
     return (code, *modules) if code is not None and modules else None
 
 
+def _settings(item: Any) -> tuple[Any, ...]:
+    """The plain values (numbers, strings, slices, tuples of them) an item
+    binds in its partials' arguments, default arguments and closure: what
+    tells ``lambda t, i=i: blocks[i](t)`` for one ``i`` from another, where
+    the code and the modules it reaches are the same."""
+    found: list[Any] = []
+    func = item
+    while isinstance(func, functools.partial):
+        found += [v for v in (*func.args, *func.keywords.values()) if _plain(v)]
+        func = func.func
+    func = getattr(func, "__func__", func)
+    bound = [
+        *(getattr(func, "__defaults__", None) or ()),
+        *(getattr(func, "__kwdefaults__", None) or {}).values(),
+    ]
+    for cell in getattr(func, "__closure__", None) or ():
+        try:
+            bound.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return (*found, *(v for v in bound if _plain(v)))
+
+
+def _plain(value: Any) -> bool:
+    if type(value) is tuple:
+        return all(map(_plain, value))
+    return type(value) in (int, bool, float, str, slice)
+
+
 def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
     """A new entry for ``chain``, sharing the frontiers of an earlier chain
-    whose items run the same code on the same modules (see :data:`_BY_RUNS`)."""
+    whose items run the same code on the same modules with the same plain
+    settings (see :data:`_BY_RUNS`)."""
     if torch.compiler.is_compiling() or all(
         isinstance(item, nn.Module) for item in chain
     ):
@@ -368,7 +415,11 @@ def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
     runs = [r for r in map(_runs, chain) if r is not None]
     if len(runs) < len(chain):  # an item told apart by the object alone
         return _ChainEntry(chain)
-    runs_key = (tuple(tuple(map(id, r)) for r in runs), *key[1:])
+    runs_key = (
+        tuple(tuple(map(id, r)) for r in runs),
+        tuple(map(_settings, chain)),
+        *key[1:],
+    )
     found = _BY_RUNS.get(runs_key)
     if found is not None and all(
         _same_items(held, r) for held, r in zip(found[0], runs, strict=True)
@@ -431,18 +482,19 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
         _FRONTIERS[key] = entry
         if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
             _FRONTIERS.pop(next(iter(_FRONTIERS)))
-    trainable = entry.trainable()
-    frontier = entry.frontiers.get(trainable)
+    state = entry.state()
+    frontier = entry.frontiers.get(state)
     if frontier is None:
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "seqckpt: segments='auto' cannot profile the chain inside "
                 "torch.compile; run one eager training step first (and again "
-                "after freezing or unfreezing layers, or turning autocast on "
-                "or off), or pass seqckpt.plan(...) as segments."
+                "after freezing or unfreezing layers, switching modules between "
+                "train() and eval(), or turning autocast on or off), or pass "
+                "seqckpt.plan(...) as segments."
             )
         frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
-        entry.frontiers[trainable] = frontier
+        entry.frontiers[state] = frontier
     elif frontier.needs_profile(size) and not torch.compiler.is_compiling():
         policies = [None, *frontier.points[0][1].policies]
         frontier.add_profile(size, _timed_profile(chain, input, policies))
