@@ -481,7 +481,9 @@ def test_remade_chains_that_index_one_container_are_told_apart() -> None:
     # blocks[i](t)``) run the same code on the same container for every
     # index: two chains over different blocks of it shared one frontier, and
     # the wider blocks ran on the narrow ones' plan (2.0x the budget, no
-    # error). The bound plain values tell them apart.
+    # error). The bound values where the items differ tell them apart; one
+    # every item binds alike (a per-step scale here, a batch's length in a
+    # model) does not make a new chain.
     torch.manual_seed(0)
 
     def block(width: int) -> nn.Sequential:
@@ -492,19 +494,19 @@ def test_remade_chains_that_index_one_container_are_told_apart() -> None:
     )
     x = torch.randn(32, 64, requires_grad=True)
 
-    def chain(lo: int, hi: int) -> list[Any]:
-        return [lambda t, i=i: blocks[i](t) for i in range(lo, hi)]
+    def chain(lo: int, hi: int, scale: float) -> list[Any]:
+        return [lambda t, i=i, s=scale: blocks[i](t) * s for i in range(lo, hi)]
 
     wide = nn.Sequential(*blocks[4:])
     budget = measure_peak(wide, x, lambda m, t: m(t), "cpu") // 2
     before = AUTO_STATS.profiles
-    for _ in range(2):
+    for step in range(3):
         for lo, hi in ((0, 4), (4, 8)):
             peak = measure_peak(
                 blocks,
                 x,
                 lambda m, t: seqckpt.checkpoint_sequential(
-                    chain(lo, hi), "auto", t, memory_budget=budget
+                    chain(lo, hi, 1.0 + step), "auto", t, memory_budget=budget
                 ),
                 "cpu",
             )

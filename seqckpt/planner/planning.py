@@ -375,33 +375,55 @@ def _runs(item: Any) -> tuple[Any, ...] | None:
     return (code, *modules) if code is not None and modules else None
 
 
-def _settings(item: Any) -> tuple[Any, ...]:
-    """The plain values (numbers, strings, slices, tuples of them) an item
-    binds in its partials' arguments, default arguments and closure: what
-    tells ``lambda t, i=i: blocks[i](t)`` for one ``i`` from another, where
-    the code and the modules it reaches are the same."""
-    found: list[Any] = []
+def _settings(chain: Sequence[Any]) -> tuple[tuple[Any, ...], ...]:
+    """What tells the items of ``chain`` apart besides their code and the
+    modules they reach: the plain values (numbers, strings, slices, tuples
+    of them) each binds in its partials' arguments, default arguments and
+    closure, at the places where the items differ. ``lambda t, i=i:
+    blocks[i](t)`` for ``i`` in 0..3 and for ``i`` in 4..7 are other chains;
+    a value every item binds alike (``functools.partial(block,
+    seq_len=n)`` with the batch's length) is left out, so a new length does
+    not make a new chain (lengths share one frontier)."""
+    bound = [_bound_values(item) for item in chain]
+    width = max(map(len, bound), default=0)
+    varying = [
+        j
+        for j in range(width)
+        if len({b[j] if j < len(b) else None for b in bound}) > 1
+    ]
+    return tuple(tuple(b[j] for j in varying if j < len(b)) for b in bound)
+
+
+def _bound_values(item: Any) -> tuple[Any, ...]:
+    values: list[Any] = []
     func = item
     while isinstance(func, functools.partial):
-        found += [v for v in (*func.args, *func.keywords.values()) if _plain(v)]
+        values += [*func.args, *func.keywords.values()]
         func = func.func
     func = getattr(func, "__func__", func)
-    bound = [
-        *(getattr(func, "__defaults__", None) or ()),
-        *(getattr(func, "__kwdefaults__", None) or {}).values(),
-    ]
+    values += getattr(func, "__defaults__", None) or ()
+    values += (getattr(func, "__kwdefaults__", None) or {}).values()
     for cell in getattr(func, "__closure__", None) or ():
         try:
-            bound.append(cell.cell_contents)
+            values.append(cell.cell_contents)
         except ValueError:  # an empty cell
             continue
-    return (*found, *(v for v in bound if _plain(v)))
+    return tuple(_hashable(v) for v in values if _plain(v))
 
 
 def _plain(value: Any) -> bool:
     if type(value) is tuple:
         return all(map(_plain, value))
     return type(value) in (int, bool, float, str, slice)
+
+
+def _hashable(value: Any) -> Any:
+    """``value`` with its slices as tuples (unhashable before Python 3.12)."""
+    if type(value) is slice:
+        return ("slice", value.start, value.stop, value.step)
+    if type(value) is tuple:
+        return tuple(map(_hashable, value))
+    return value
 
 
 def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
@@ -417,7 +439,7 @@ def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
         return _ChainEntry(chain)
     runs_key = (
         tuple(tuple(map(id, r)) for r in runs),
-        tuple(map(_settings, chain)),
+        _settings(chain),
         *key[1:],
     )
     found = _BY_RUNS.get(runs_key)
