@@ -223,7 +223,7 @@ def _globals_used(function: types.FunctionType | types.MethodType) -> Iterator[o
     walked into: a library function's namespace holds nothing of the user's."""
     code = getattr(function, "__code__", None)
     namespace = getattr(function, "__globals__", None)
-    if code is None or namespace is None:
+    if type(code) is not types.CodeType or type(namespace) is not dict:
         return
     for name in _global_names(code):
         value = namespace.get(name)

@@ -1525,20 +1525,53 @@ def test_the_module_walk_runs_no_attribute_hooks_of_the_objects_it_meets(
 
 
 GLOBAL_BN = nn.BatchNorm1d(4)
+GLOBAL_HOLDER = types.SimpleNamespace(bn=nn.BatchNorm1d(4))
 
 
-def test_a_module_reached_only_through_a_global() -> None:
-    def f(x: torch.Tensor) -> torch.Tensor:
-        return GLOBAL_BN(x).tanh()
+def through_global_module(x: torch.Tensor) -> torch.Tensor:
+    return GLOBAL_BN(x).tanh()
 
+
+def through_global_object(x: torch.Tensor) -> torch.Tensor:
+    return GLOBAL_HOLDER.bn(x).tanh()
+
+
+@pytest.mark.parametrize(
+    ("function", "check"),
+    [
+        (through_global_module, "default"),  # a global the code names
+        (through_global_module, "values"),
+        (through_global_object, "values"),  # only the module hook sees it
+    ],
+)
+def test_a_module_reached_through_a_global(function: Any, check: str) -> None:
+    bn = GLOBAL_BN if function is through_global_module else GLOBAL_HOLDER.bn
     x = torch.randn(6, 4, requires_grad=True)
-    ref = GLOBAL_BN.running_mean.clone()
-    # "values" watches every module the region calls: updated once.
-    checkpoint(f, x, determinism_check="values").sum().backward()
-    once = GLOBAL_BN.running_mean.clone()
-    GLOBAL_BN.running_mean.copy_(ref)
-    GLOBAL_BN(x)
-    assert torch.equal(once, GLOBAL_BN.running_mean)
+    ref = bn.running_mean.clone()
+    checkpoint(function, x, determinism_check=check).sum().backward()
+    once = bn.running_mean.clone()
+    bn.running_mean.copy_(ref)
+    bn(x)
+    assert torch.equal(once, bn.running_mean)  # updated once
+
+
+class CodeLike:
+    """A callable with ``__code__`` and ``__globals__`` attributes that are
+    not a function's (a wrapper imitating one)."""
+
+    __code__ = "not code"
+    __globals__ = 3
+
+    def __call__(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return block(x)
+
+
+def test_a_method_of_a_callable_imitating_a_function() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Tanh())
+    x = torch.randn(5, 4, requires_grad=True)
+    assert_matches_plain(
+        model, x, lambda m, t: checkpoint(types.MethodType(CodeLike(), m), t)
+    )
 
 
 class Rebinds(nn.Module):
