@@ -64,6 +64,7 @@ Internal: nothing here is public API.
 from __future__ import annotations
 
 import collections
+import dis
 import functools
 import itertools
 import os
@@ -239,16 +240,21 @@ _NAMES: weakref.WeakKeyDictionary[types.CodeType, tuple[str, ...]] = (
 
 def _global_names(code: types.CodeType) -> tuple[str, ...]:
     """The names ``code`` and the code nested in it (comprehensions, inner
-    functions) look up as globals or attributes, cached per code object;
-    none for torch's own code (``nn.Module.__call__``, which HF's layers
-    checkpoint): its namespace holds no module of the user's."""
+    functions) load as globals, cached per code object: not the attribute
+    names (``self.model`` does not reach a global ``model``); none for
+    torch's own code (``nn.Module.__call__``, which HF's layers checkpoint):
+    its namespace holds no module of the user's."""
     known = _NAMES.get(code)
     if known is not None:
         return known
     if code.co_filename.startswith(_TORCH_SOURCE):
         _NAMES[code] = ()
         return ()
-    names = dict.fromkeys(code.co_names)
+    names = dict.fromkeys(
+        i.argval
+        for i in dis.get_instructions(code)
+        if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+    )
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
             names.update(dict.fromkeys(_global_names(constant)))

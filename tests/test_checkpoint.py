@@ -1555,6 +1555,24 @@ def test_a_module_reached_through_a_global(function: Any, check: str) -> None:
     assert torch.equal(once, bn.running_mean)  # updated once
 
 
+class NamesLikeAGlobal:
+    """Holds its block under the name of a global module."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.GLOBAL_BN = block
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        return self.GLOBAL_BN(x)
+
+
+def test_an_attribute_named_like_a_global_does_not_reach_the_global() -> None:
+    # Only names the code loads as globals are looked up in its namespace:
+    # ``self.GLOBAL_BN`` is an attribute (a whole model's buffers guarded at
+    # every region call would cost a copy of each).
+    block = nn.Linear(4, 4)
+    assert seqckpt._buffers.modules_of(NamesLikeAGlobal(block).run) == [block]
+
+
 class CodeLike:
     """A callable with ``__code__`` and ``__globals__`` attributes that are
     not a function's (a wrapper imitating one)."""
