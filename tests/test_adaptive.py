@@ -514,6 +514,28 @@ def test_remade_chains_that_index_one_container_are_told_apart() -> None:
     assert AUTO_STATS.profiles - before == 2  # one per chain, not per call
 
 
+def test_a_chain_remade_at_every_call_does_not_push_out_a_chain_in_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each call of a remade chain adds an entry to the cache of chains; the
+    # cache let its oldest entry go first, so a model's other chain, used at
+    # every step, was pushed out and profiled again every 64 steps (here 4).
+    import functools
+
+    from seqckpt.planner import planning
+
+    monkeypatch.setattr(planning, "_AUTO_CACHE_SIZE", 4)
+    fixed, remade = token_chain(), token_chain()
+    before = AUTO_STATS.profiles
+    for _ in range(10):
+        h = seqckpt.checkpoint_sequential(
+            fixed, "auto", tokens(16), memory_budget=10**9
+        )
+        chain = [functools.partial(_scaled, b, scale=0.5) for b in remade]
+        seqckpt.checkpoint_sequential(chain, "auto", h, memory_budget=10**9)
+    assert AUTO_STATS.profiles - before == 2
+
+
 def test_the_frontier_key_reads_autocast_where_the_device_has_it() -> None:
     # (torch.is_autocast_enabled raises for a device type without autocast,
     # such as meta)

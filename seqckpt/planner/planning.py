@@ -163,7 +163,7 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
 # _frontier_key): what identifies the chain's items (see _holders), the
 # chain's parameters (read once: walking its modules at every step would cost
 # more than choosing the plan) and a frontier for each set of them that
-# requires grad.
+# requires grad; the least recently used of 64 goes first.
 _FRONTIERS: dict[tuple[Any, ...], _ChainEntry] = {}
 # The plan chosen for the last (input size, budget) pairs.
 _AUTO_CACHE: OrderedDict[tuple[int, int], tuple[Frontier, Plan]] = OrderedDict()
@@ -446,6 +446,7 @@ def _entry_for(chain: Sequence[Any], key: tuple[Any, ...]) -> _ChainEntry:
     if found is not None and all(
         _same_items(held, r) for held, r in zip(found[0], runs, strict=True)
     ):
+        _BY_RUNS.move_to_end(runs_key)
         return _ChainEntry(chain, like=found[1])
     entry = _ChainEntry(chain)
     _BY_RUNS.pop(runs_key, None)
@@ -504,6 +505,10 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
         _FRONTIERS[key] = entry
         if len(_FRONTIERS) > _AUTO_CACHE_SIZE:
             _FRONTIERS.pop(next(iter(_FRONTIERS)))
+    elif not torch.compiler.is_compiling():
+        # least recently used first out: a chain remade at every call adds an
+        # entry per call, which must not push out the chains in use
+        _FRONTIERS[key] = _FRONTIERS.pop(key)
     state = entry.state()
     frontier = entry.frontiers.get(state)
     if frontier is None:
