@@ -536,6 +536,30 @@ def test_a_chain_remade_at_every_call_does_not_push_out_a_chain_in_use(
     assert AUTO_STATS.profiles - before == 2
 
 
+def test_two_chains_at_one_size_and_budget_keep_their_chosen_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The chosen plan was cached per (input size, budget) alone: two chains
+    # of a model (an encoder and a decoder) at one size and budget took each
+    # other's place, and every call chose again (under torch.distributed, a
+    # broadcast per call).
+    chosen: list[int] = []
+    plan_for = Frontier.plan_for
+
+    def counting(self: Frontier, input: Any, budget: int | str) -> Any:
+        chosen.append(self.serial)
+        return plan_for(self, input, budget)
+
+    monkeypatch.setattr(Frontier, "plan_for", counting)
+    first, second = token_chain(), token_chain()
+    for _ in range(4):
+        for chain in (first, second):
+            seqckpt.checkpoint_sequential(
+                chain, "auto", tokens(16), memory_budget=10**9
+            )
+    assert len(chosen) == 2 and chosen[0] != chosen[1]
+
+
 def test_the_frontier_key_reads_autocast_where_the_device_has_it() -> None:
     # (torch.is_autocast_enabled raises for a device type without autocast,
     # such as meta)

@@ -52,6 +52,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import warnings
@@ -200,6 +201,9 @@ def _size_class(size: int) -> int:
     return max(0, int(math.log2(max(1, size))))
 
 
+_SERIALS = itertools.count()
+
+
 class Frontier:
     """The plans of a chain for every budget and every input size.
 
@@ -231,6 +235,7 @@ class Frontier:
         if not points:
             raise ValueError("seqckpt: a frontier needs at least one profile.")
         self.points = list(points)
+        self.serial = next(_SERIALS)  # tells frontiers apart in plan caches
         self.images = images
         self._warned: set[tuple[tuple[int, ...], ...]] = set()
         self.slots = slots

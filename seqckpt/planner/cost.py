@@ -425,7 +425,10 @@ class CostModel:
                         for k in range(run.start, run.stop)
                     )
                 here_fwd = delta + nograd + kept + cast
-                here_bwd = max(inner_fwd, inner_bwd) + held_in + copies
+                # an output the policy keeps lives through the recompute, which
+                # does not make it again (served, or stopped before it)
+                out_kept = self.output_kept_by[p][item.stop - 1]
+                here_bwd = max(inner_fwd + out_kept, inner_bwd) + held_in + copies
                 if fwd is not None:
                     out = self.a_held[item.stop] + kept
                     here_fwd = max(here_fwd, out + cast + fwd)

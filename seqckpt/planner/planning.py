@@ -165,8 +165,9 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
 # more than choosing the plan) and a frontier for each set of them that
 # requires grad; the least recently used of 64 goes first.
 _FRONTIERS: dict[tuple[Any, ...], _ChainEntry] = {}
-# The plan chosen for the last (input size, budget) pairs.
-_AUTO_CACHE: OrderedDict[tuple[int, int], tuple[Frontier, Plan]] = OrderedDict()
+# The plan chosen for the last (frontier, input size, budget) triples (the
+# frontier by its serial number: dynamo cannot trace id()).
+_AUTO_CACHE: OrderedDict[tuple[int, int, int], tuple[Frontier, Plan]] = OrderedDict()
 _AUTO_CACHE_SIZE = 64
 # Timed runs per item in the profiles segments="auto" takes on the training
 # stream: one (the lines fitted through two or three profiled sizes smooth a
@@ -551,7 +552,7 @@ def _auto_choice(
         )
         if _distributed():  # every call: all ranks then share the cache's keys
             budget = _smallest_on_any_rank(budget, input)
-        key = (size, budget)
+        key = (frontier.serial, size, budget)
         cached = _AUTO_CACHE.get(key)
         if cached is not None and cached[0] is frontier:
             return cached[1]

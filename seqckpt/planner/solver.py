@@ -166,45 +166,69 @@ class _Tables:
         self.K = [prefix(k) for k in model.kept_by]
         self.OK = [torch.tensor(k + [0], dtype=f64) for k in model.output_kept_by]
         # nograd[i, j]: bytes of running i..j-1 keeping nothing (input of i not
-        # counted); flat[i, j]: bytes of keeping every layer of i..j-1 with the
+        # counted); flat_forward[i, j] and flat_backward[i, j]: bytes of the
+        # forward and of the backward of keeping every layer of i..j-1 with the
         # gradient of x_j live (the recompute of a stretch under a policy, run
-        # in the backward phase).
+        # in the backward phase), flat[i, j] the larger.
         # Built in Python lists, then one tensor each (element writes into a
         # tensor cost microseconds each).
         nograd = [[0.0] * (n + 1) for _ in range(n)]
-        flat = [[0.0] * (n + 1) for _ in range(n)]
+        flat_forward = [[0.0] * (n + 1) for _ in range(n)]
+        flat_backward = [[0.0] * (n + 1) for _ in range(n)]
         for i in range(n):
             row = nograd[i]
             for j, _, stretch_peak in model.cuts(i, n):
                 row[j] = stretch_peak
         for j in range(1, n + 1):
-            need = 0
+            delta = model.output_grad(j - 1)
+            forward = backward = 0
             for i in reversed(range(j)):
-                alone = model.keep_alone(i, model.output_grad(j - 1))
-                need = alone if i == j - 1 else max(alone, model.kept[i] + need)
-                flat[i][j] = need
+                here_forward = delta + model.forward_peak[i]
+                here_backward = model.held[i] + model.backward_peak[i]
+                if i < j - 1:
+                    here_forward = max(here_forward, model.kept[i] + forward)
+                    here_backward = max(here_backward, model.kept[i] + backward)
+                forward, backward = here_forward, here_backward
+                flat_forward[i][j], flat_backward[i][j] = forward, backward
         self.nograd = torch.tensor(nograd, dtype=f64)
-        self.flat = torch.tensor(flat, dtype=f64)
+        self.flat_forward = torch.tensor(flat_forward, dtype=f64)
+        self.flat_backward = torch.tensor(flat_backward, dtype=f64)
+        self.flat = torch.maximum(self.flat_forward, self.flat_backward)
 
 
-def _gather_shifted(table: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``table[..., s - shift]`` for every slot ``s`` (inf where that is below 0)."""
-    slots = table.shape[-1]
-    index = torch.arange(slots).expand_as(table) - shift.unsqueeze(-1)
-    below = index < 0
-    return table.gather(-1, index.clamp(min=0)).masked_fill(below, math.inf)
+class _Shift:
+    """Reads ``table[..., s - shift]`` for every slot ``s`` of tables of one
+    shape, the index made once for all of them."""
+
+    def __init__(self, like: torch.Tensor, shift: torch.Tensor) -> None:
+        index = torch.arange(like.shape[-1]).expand_as(like) - shift.unsqueeze(-1)
+        self.below = index < 0
+        self.index = index.clamp_(min=0)
+
+    def times(self, table: torch.Tensor) -> torch.Tensor:
+        """The shifted times (inf where ``s - shift`` is below 0)."""
+        return table.gather(-1, self.index).masked_fill_(self.below, math.inf)
+
+    def bytes(self, table: torch.Tensor) -> torch.Tensor:
+        """The shifted bytes (meaningless where the times are inf)."""
+        return table.gather(-1, self.index)
 
 
 def _solve(model: CostModel, budget: int, slots: int) -> Plan | None:
     """The fastest plan whose exact peak fits ``budget``, from the DP on each
     of the model's bounds (:meth:`CostModel.bounds`); None when nothing fits."""
-    found = [_solve_bound(bound, model, budget, slots) for bound in model.bounds()]
+    bounds = model.bounds()
+    found = [
+        # (the upper bound's bytes are above the model's: not a filter)
+        _solve_bound(bound, model, budget, slots, exact=k == len(bounds) - 1)
+        for k, bound in enumerate(bounds)
+    ]
     plans = [(model.total(p.items)[1], p) for p in found if p is not None]
     return min(plans, key=lambda f: f[0])[1] if plans else None
 
 
 def _solve_bound(
-    bound: CostModel, model: CostModel, budget: int, slots: int
+    bound: CostModel, model: CostModel, budget: int, slots: int, exact: bool
 ) -> Plan | None:
     """The DP on ``bound``, on slots of ``budget / slots`` bytes.
 
@@ -217,26 +241,32 @@ def _solve_bound(
     taken: at ``slots`` at the latest when ``bound`` is the model or above
     it, unless what the DP does not see (:meth:`CostModel.nested_kept`) puts
     that plan over; the walk then goes on down, as it does on the bound
-    below the model (casts dropped)."""
+    below the model (casts dropped). With ``exact`` (``bound`` is the model
+    or below it), the whole chain's choices are also held to the budget in
+    bytes: a faster plan over the budget by less than its rounding would
+    otherwise hide, at every number of slots, a slower one that fits."""
     n = len(model)
     unit = budget / slots
     top = slots + n + 3
-    T, C = _table(bound, unit * top, top)
+    T, C = _table(bound, unit * top, top, budget if exact else None)
     choices = _Choices(C)
     times = T[0, n - 1].tolist()
     previous: tuple[Item, ...] = ()
+    found: Plan | None = None
+    fastest = math.inf
+    # Times grow as slots shrink, except with ``exact``: a greedier plan over
+    # the budget may fill more slots than a leaner, faster one that fits. So
+    # every step down is looked at that is faster than the plan found.
     for s in range(top, -1, -1):
-        if not math.isfinite(times[s]):
-            return None  # times only grow as slots shrink
-        if slots < s < top and times[s] == times[s + 1]:
-            continue  # the same time as the plan just rejected: likely it
+        if not times[s] < fastest:  # infeasible, or no faster
+            continue
         plan = _plan_at(choices, bound, unit * top, top, s)
         if plan.items == previous:
             continue
         previous = plan.items
         if model.total(plan.items)[0] <= budget:
-            return plan
-    return None
+            found, fastest = plan, times[s]
+    return found
 
 
 def frontier_plans(
@@ -292,15 +322,22 @@ def _plan_at(
 
 
 def _table(
-    model: CostModel, budget: float, slots: int
+    model: CostModel, budget: float, slots: int, exact: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DP table and its choices (see :func:`_solve`).
 
     ``T[i, last, s]`` is the least time for layers ``i..last`` in ``s`` slots; its
     choice is 0 (keep layer ``i``) or ``p * (n + 1) + j``: checkpoint ``i..j-1``
     under policy ``p`` (0: none, its inner plan itself optimal; else a flat
-    recompute). One diagonal ``last - i = d`` is computed at a time, all its
-    stretches at once, so the Python loop runs ``n`` times.
+    recompute). Among equally fast choices the one whose plan needs the
+    fewest bytes (``N``, the exact peak of the sub-plan chosen) is taken: the
+    rounding to slots cannot tell two such plans apart, and where the walk
+    down the table rejects the one it was shown, the other is then never
+    shown (equal blocks make such ties common). With ``exact``, the whole
+    chain's choices (the top entry) whose plan needs more bytes than that are
+    left out. One diagonal ``last - i = d``
+    is computed at a time, all its stretches at once, so the Python loop runs
+    ``n`` times.
     """
     n = len(model)
     unit = budget / slots
@@ -310,9 +347,12 @@ def _table(
     s_range = torch.arange(width)
     dtype = torch.float32  # half the memory traffic of float64; times to ~1e-7
     T = torch.full((n, n, width), inf, dtype=dtype)
+    N = torch.full((n, n, width), inf, dtype=dtype)
     # Tx[j, last, s] = T[j, last, s - a_j]: the rest after a cut at j, with x_j
-    # held, made once per entry instead of once per stretch that cuts at j.
+    # held, made once per entry instead of once per stretch that cuts at j;
+    # Nx likewise, with x_j's bytes added.
     Tx = torch.full((n, n, width), inf, dtype=dtype)
+    Nx = torch.full((n, n, width), inf, dtype=dtype)
     C = torch.full((n, n, width), -1, dtype=torch.int32)
     tie = _REGION_TIE_BREAK * max(1e-12, float(tables.step.mean())) / n
     a_slots = _ceil_slots(tables.a_held, unit)
@@ -322,25 +362,35 @@ def _table(
         starts = torch.arange(n - d)
         lasts = starts + d
         delta = tables.delta[lasts]
-        lower = torch.maximum(
-            _ceil_slots(delta + tables.forward_peak[starts], unit),
-            _ceil_slots(tables.held[starts] + tables.backward_peak[starts], unit),
+        alone = torch.maximum(
+            delta + tables.forward_peak[starts],
+            tables.held[starts] + tables.backward_peak[starts],
         )
-        allowed = s_range[None, :] >= lower[:, None]
+        allowed = s_range[None, :] >= _ceil_slots(alone, unit)[:, None]
         base = tables.step[starts].to(dtype)[:, None]
+        alone_bytes = alone.to(dtype)[:, None]
         if d == 0:
             best = torch.where(allowed, base, inf)
+            best_need = torch.where(allowed, alone_bytes, inf)
         else:
-            rest = _gather_shifted(
-                T[starts + 1, lasts], _ceil_slots(tables.kept[starts], unit)
-            )
+            shift = _ceil_slots(tables.kept[starts], unit)
+            rest_times = T[starts + 1, lasts]
+            shifted = _Shift(rest_times, shift)
+            rest = shifted.times(rest_times)
             best = torch.where(allowed, rest + base, inf)
+            rest_need = shifted.bytes(N[starts + 1, lasts])
+            rest_need += tables.kept[starts].to(dtype)[:, None]
+            best_need = torch.where(allowed, torch.maximum(alone_bytes, rest_need), inf)
+        whole = exact is not None and d == n - 1  # the whole chain's entry
+        if exact is not None and whole:
+            best.masked_fill_(best_need > exact, inf)
         code = torch.zeros_like(best, dtype=torch.int32)
         startable = tables.can_start[starts]
         if d > 0 and bool(startable.any()):
             cuts = starts[:, None] + torch.arange(1, d + 1)[None, :]
             firsts = starts[:, None].expand_as(cuts)
-            after = Tx[cuts, lasts[:, None].expand_as(cuts)]  # (stretches, d, slots)
+            index = (cuts, lasts[:, None].expand_as(cuts))
+            after, after_need = Tx[index], Nx[index]  # (stretches, d, slots)
             forward = tables.F[cuts] - tables.F[firsts]
             ties = tie * (cuts - firsts).to(torch.float64) ** 2
             nograd = tables.nograd[firsts, cuts]
@@ -355,10 +405,14 @@ def _table(
                 if p == 0:  # no policy: the inner stretch solved optimally
                     kept = copies + held_in
                     kept_slots = _ceil_slots(kept, unit)
-                    total = _gather_shifted(after, kept_slots)
-                    total += _gather_shifted(T[firsts, cuts - 1], kept_slots)
+                    shifted = _Shift(after, kept_slots)
+                    total = shifted.times(after)
+                    total += shifted.times(T[firsts, cuts - 1])
                     total += (forward + ties).to(dtype)[..., None]
-                    need = _ceil_slots(delta[:, None] + nograd + kept, unit)
+                    alone_here = delta[:, None] + nograd + kept
+                    need_bytes = torch.maximum(
+                        shifted.bytes(after_need), shifted.bytes(N[firsts, cuts - 1])
+                    )
                 else:  # a flat recompute under the policy, holding what it keeps
                     # Stretches too long to recompute flat in the budget are
                     # left out (flat needs grow with the stretch's length).
@@ -369,25 +423,51 @@ def _table(
                     c, f = cuts[:, :m], firsts[:, :m]
                     kept = tables.K[p][c] - tables.K[p][f] - tables.OK[p][c - 1]
                     kept += held_in[:, :m]
+                    # an output the policy keeps lives through the recompute
+                    recompute = torch.maximum(
+                        tables.flat_forward[f, c] + tables.OK[p][c - 1],
+                        tables.flat_backward[f, c],
+                    )
+                    recompute += held_in[:, :m] + copies[:, :m]
                     seconds = tables.PF[p][c] - tables.PF[p][f]
                     seconds += tables.R[p][c] - tables.R[p][f]
                     seconds += tables.B[c] - tables.B[f] + ties[:, :m]
-                    total = _gather_shifted(after[:, :m], _ceil_slots(kept, unit))
+                    kept_slots = _ceil_slots(kept, unit)
+                    shifted = _Shift(after[:, :m], kept_slots)
+                    total = shifted.times(after[:, :m])
                     total += seconds.to(dtype)[..., None]
-                    need = torch.maximum(
-                        _ceil_slots(delta[:, None] + nograd[:, :m] + kept, unit),
-                        _ceil_slots(flat[:, :m] + held_in[:, :m] + copies[:, :m], unit),
+                    alone_here = torch.maximum(
+                        delta[:, None] + nograd[:, :m] + kept, recompute
                     )
-                total.masked_fill_(s_range < need[..., None], inf)
-                ckpt, cut = total.min(dim=1)  # (stretches, slots)
+                    need_bytes = shifted.bytes(after_need[:, :m])
+                need_bytes += kept.to(dtype)[..., None]
+                need_bytes = torch.maximum(need_bytes, alone_here.to(dtype)[..., None])
+                total.masked_fill_(
+                    s_range < _ceil_slots(alone_here, unit)[..., None], inf
+                )
+                if exact is not None and whole:
+                    total.masked_fill_(need_bytes > exact, inf)
+                # the fastest cut, and of equally fast ones the least bytes
+                ckpt = total.min(dim=1, keepdim=True).values
+                # (min's indices: argmin over a middle dimension is 7x slower)
+                cut = need_bytes.masked_fill_(total != ckpt, inf).min(dim=1).indices
+                ckpt = ckpt.squeeze(1)
+                ckpt_need = need_bytes.gather(1, cut[:, None]).squeeze(1)
                 ckpt.masked_fill_(~startable[:, None], inf)
-                use = ckpt < best
+                use = (ckpt < best) | ((ckpt == best) & (ckpt_need < best_need))
+                use &= torch.isfinite(ckpt)
                 best = torch.where(use, ckpt, best)
+                best_need = torch.where(use, ckpt_need, best_need)
                 code = torch.where(
                     use, (p * (n + 1) + starts[:, None] + 1 + cut).to(torch.int32), code
                 )
         T[starts, lasts] = best
-        Tx[starts, lasts] = _gather_shifted(best, a_slots[starts])
+        N[starts, lasts] = best_need
+        shifted = _Shift(best, a_slots[starts])
+        Tx[starts, lasts] = shifted.times(best)
+        Nx[starts, lasts] = (
+            shifted.bytes(best_need) + tables.a_held[starts].to(dtype)[:, None]
+        )
         C[starts, lasts] = torch.where(torch.isfinite(best), code, -1)
     return T, C
 
