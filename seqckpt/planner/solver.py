@@ -19,6 +19,7 @@ that fits the model itself is taken: not always the optimum of that model.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -321,6 +322,38 @@ def _plan_at(
     )
 
 
+class _Cuts(NamedTuple):
+    """One kind of cut the DP weighs for a diagonal's stretches (see
+    :func:`_table`): for each stretch (row) and cut (column) the layer it cuts
+    at, the stretch's first layer, the bytes it keeps and their slots, the
+    bytes it needs alone; the last layers of the rows; whether the stretch
+    runs an inner plan (no policy)."""
+
+    cut: torch.Tensor
+    first: torch.Tensor
+    kept: torch.Tensor
+    kept_slots: torch.Tensor
+    alone: torch.Tensor
+    lasts: torch.Tensor
+    inner: bool
+
+    def bytes(
+        self, N: torch.Tensor, Nx: torch.Tensor, column: torch.Tensor
+    ) -> torch.Tensor:
+        """The bytes of the plans that cut at ``column`` (for each row and
+        slot, or broadcast over the columns) given the sub-plans' bytes in
+        ``N`` and, after a cut with its input held, in ``Nx``."""
+        row = torch.arange(len(self.cut)).view(-1, *[1] * (column.dim() - 1))
+        j = self.cut[row, column]
+        rest = torch.arange(N.shape[-1]) - self.kept_slots[row, column]
+        rest.clamp_(min=0)  # (below 0 the time is inf: these bytes go unread)
+        found = Nx[j, self.lasts[row], rest]
+        if self.inner:
+            found = torch.maximum(found, N[self.first[row, column], j - 1, rest])
+        found += self.kept[row, column].to(found.dtype)
+        return torch.maximum(found, self.alone[row, column].to(found.dtype))
+
+
 def _table(
     model: CostModel, budget: float, slots: int, exact: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +423,7 @@ def _table(
             cuts = starts[:, None] + torch.arange(1, d + 1)[None, :]
             firsts = starts[:, None].expand_as(cuts)
             index = (cuts, lasts[:, None].expand_as(cuts))
-            after, after_need = Tx[index], Nx[index]  # (stretches, d, slots)
+            after = Tx[index]  # (stretches, d, slots)
             forward = tables.F[cuts] - tables.F[firsts]
             ties = tie * (cuts - firsts).to(torch.float64) ** 2
             nograd = tables.nograd[firsts, cuts]
@@ -403,6 +436,7 @@ def _table(
             copies = tables.K[0][cuts] - tables.K[0][firsts]
             for p in range(policies):
                 if p == 0:  # no policy: the inner stretch solved optimally
+                    c, f = cuts, firsts
                     kept = copies + held_in
                     kept_slots = _ceil_slots(kept, unit)
                     shifted = _Shift(after, kept_slots)
@@ -410,9 +444,6 @@ def _table(
                     total += shifted.times(T[firsts, cuts - 1])
                     total += (forward + ties).to(dtype)[..., None]
                     alone_here = delta[:, None] + nograd + kept
-                    need_bytes = torch.maximum(
-                        shifted.bytes(after_need), shifted.bytes(N[firsts, cuts - 1])
-                    )
                 else:  # a flat recompute under the policy, holding what it keeps
                     # Stretches too long to recompute flat in the budget are
                     # left out (flat needs grow with the stretch's length).
@@ -439,21 +470,26 @@ def _table(
                     alone_here = torch.maximum(
                         delta[:, None] + nograd[:, :m] + kept, recompute
                     )
-                    need_bytes = shifted.bytes(after_need[:, :m])
-                need_bytes += kept.to(dtype)[..., None]
-                need_bytes = torch.maximum(need_bytes, alone_here.to(dtype)[..., None])
                 total.masked_fill_(
                     s_range < _ceil_slots(alone_here, unit)[..., None], inf
                 )
-                if exact is not None and whole:
-                    total.masked_fill_(need_bytes > exact, inf)
-                # the fastest cut, and of equally fast ones the least bytes
-                ckpt = total.min(dim=1, keepdim=True).values
-                # (min's indices: argmin over a middle dimension is 7x slower)
-                cut = need_bytes.masked_fill_(total != ckpt, inf).min(dim=1).indices
-                ckpt = ckpt.squeeze(1)
-                ckpt_need = need_bytes.gather(1, cut[:, None]).squeeze(1)
+
+                group = _Cuts(c, f, kept, kept_slots, alone_here, lasts, p == 0)
+                if whole:  # one stretch: every cut held to the budget in bytes
+                    assert exact is not None
+                    every = group.bytes(N, Nx, torch.arange(c.shape[1])[None, :, None])
+                    total.masked_fill_(every > exact, inf)
+                    ckpt = total.min(dim=1, keepdim=True).values
+                    # of the fastest cuts the one needing the fewest bytes
+                    cut = every.masked_fill_(total != ckpt, inf).min(dim=1).indices
+                    ckpt = ckpt.squeeze(1)
+                else:
+                    ckpt, cut = total.min(dim=1)  # (stretches, slots)
+                ckpt_need = group.bytes(N, Nx, cut)
                 ckpt.masked_fill_(~startable[:, None], inf)
+                # equally fast: the plan needing fewer bytes (the rounding to
+                # slots cannot tell them apart; where the walk down the table
+                # rejects the one it is shown, the other would stay hidden)
                 use = (ckpt < best) | ((ckpt == best) & (ckpt_need < best_need))
                 use &= torch.isfinite(ckpt)
                 best = torch.where(use, ckpt, best)
