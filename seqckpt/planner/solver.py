@@ -368,9 +368,8 @@ def _table(
     down the table rejects the one it was shown, the other is then never
     shown (equal blocks make such ties common). With ``exact``, the whole
     chain's choices (the top entry) whose plan needs more bytes than that are
-    left out. One diagonal ``last - i = d``
-    is computed at a time, all its stretches at once, so the Python loop runs
-    ``n`` times.
+    left out. One diagonal ``last - i = d`` is computed at a time, all its
+    stretches at once, so the Python loop runs ``n`` times.
     """
     n = len(model)
     unit = budget / slots
@@ -414,16 +413,15 @@ def _table(
             rest_need = shifted.bytes(N[starts + 1, lasts])
             rest_need += tables.kept[starts].to(dtype)[:, None]
             best_need = torch.where(allowed, torch.maximum(alone_bytes, rest_need), inf)
-        whole = exact is not None and d == n - 1  # the whole chain's entry
-        if exact is not None and whole:
-            best.masked_fill_(best_need > exact, inf)
+        limit = exact if d == n - 1 else None  # the whole chain's entry
+        if limit is not None:
+            best.masked_fill_(best_need > limit, inf)
         code = torch.zeros_like(best, dtype=torch.int32)
         startable = tables.can_start[starts]
         if d > 0 and bool(startable.any()):
             cuts = starts[:, None] + torch.arange(1, d + 1)[None, :]
             firsts = starts[:, None].expand_as(cuts)
-            index = (cuts, lasts[:, None].expand_as(cuts))
-            after = Tx[index]  # (stretches, d, slots)
+            after = Tx[cuts, lasts[:, None].expand_as(cuts)]  # (stretches, d, slots)
             forward = tables.F[cuts] - tables.F[firsts]
             ties = tie * (cuts - firsts).to(torch.float64) ** 2
             nograd = tables.nograd[firsts, cuts]
@@ -475,10 +473,9 @@ def _table(
                 )
 
                 group = _Cuts(c, f, kept, kept_slots, alone_here, lasts, p == 0)
-                if whole:  # one stretch: every cut held to the budget in bytes
-                    assert exact is not None
+                if limit is not None:  # one stretch: every cut held to it
                     every = group.bytes(N, Nx, torch.arange(c.shape[1])[None, :, None])
-                    total.masked_fill_(every > exact, inf)
+                    total.masked_fill_(every > limit, inf)
                     ckpt = total.min(dim=1, keepdim=True).values
                     # of the fastest cuts the one needing the fewest bytes
                     cut = every.masked_fill_(total != ckpt, inf).min(dim=1).indices
