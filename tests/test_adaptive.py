@@ -295,10 +295,9 @@ def test_auto_checks_on_cuda_with_the_allocator_and_closes_at_once() -> None:
     assert AUTO_STATS.checks == checks + 1
 
 
-def strided_chain() -> nn.Sequential:
+def strided_chain(widths: tuple[int, ...] = (3, 8, 16, 32, 64, 96)) -> nn.Sequential:
     # a small convnet: every stage halves height and width, rounding odd sizes up
     torch.manual_seed(0)
-    widths = [3, 8, 16, 32, 64, 96]
     return nn.Sequential(
         *[
             nn.Sequential(

@@ -314,20 +314,9 @@ def test_an_output_a_policy_keeps_is_held_through_the_recompute() -> None:
     # at 1.17x its budget on such a chain).
     from seqckpt.executor import run_plan
     from seqckpt.planner.frontier import measure_peak
+    from tests.test_adaptive import strided_chain
 
-    torch.manual_seed(0)
-    widths = [3, 8, 16, 32, 64]
-    model = nn.Sequential(
-        *[
-            nn.Sequential(
-                nn.Conv2d(cin, cout, 3, stride=2, padding=1),
-                nn.BatchNorm2d(cout),
-                nn.ReLU(),
-                nn.Conv2d(cout, cout, 3, padding=1),
-            )
-            for cin, cout in zip(widths, widths[1:], strict=False)
-        ]
-    )
+    model = strided_chain((3, 8, 16, 32, 64))
     x = torch.randn(2, 3, 64, 64)
     prof = seqckpt.profile(model, x, repeats=1, policies=("compute_heavy",))
     heavy = as_policy("compute_heavy")
