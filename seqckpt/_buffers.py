@@ -88,6 +88,7 @@ __all__ = [
     "COPY_LIMIT",
     "BufferGuard",
     "WriteWatch",
+    "bound_by",
     "is_parameter",
     "modules_of",
     "survey",
@@ -189,14 +190,7 @@ def _held_by(obj: object) -> Iterator[object]:
         yield from obj.keywords.values()
     elif isinstance(obj, (types.FunctionType, types.MethodType)):
         yield getattr(obj, "__self__", None)
-        for cell in getattr(obj, "__closure__", None) or ():
-            try:
-                yield cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-        # bound as default arguments: ``lambda t, block=block: block(t)``
-        yield from getattr(obj, "__defaults__", None) or ()
-        yield from (getattr(obj, "__kwdefaults__", None) or {}).values()
+        yield from bound_by(obj)
         yield getattr(obj, "__wrapped__", None)
         yield from _globals_used(obj)
     elif isinstance(obj, (type, types.ModuleType, torch.Tensor)):
@@ -214,6 +208,18 @@ def _held_by(obj: object) -> Iterator[object]:
             yield from attributes.values()
         for name in slots:
             yield _plain_attribute(obj, name)
+
+
+def bound_by(function: object) -> Iterator[object]:
+    """What a function (or a method's function) holds in its closure and
+    binds as default arguments (``lambda t, block=block: block(t)``)."""
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    yield from getattr(function, "__defaults__", None) or ()
+    yield from (getattr(function, "__kwdefaults__", None) or {}).values()
 
 
 def _globals_used(function: types.FunctionType | types.MethodType) -> Iterator[object]:

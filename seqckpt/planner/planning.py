@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from seqckpt._buffers import modules_of
+from seqckpt._buffers import bound_by, modules_of
 from seqckpt._chain import as_chain
 from seqckpt._tree import tensors_in
 from seqckpt.memory import MemoryStats, track_memory
@@ -28,7 +28,13 @@ from seqckpt.planner.adaptive import (
     input_size,
 )
 from seqckpt.planner.budget import format_bytes, parse_budget
-from seqckpt.planner.profile import ChainProfile, _candidates, chain_parameters
+from seqckpt.planner.profile import (
+    ChainProfile,
+    _candidates,
+    chain_modules,
+    chain_parameters,
+    parameters_of,
+)
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
 from seqckpt.planner.tree import Plan, PlanError
@@ -331,14 +337,9 @@ class _ChainEntry:
             self.frontiers = like.frontiers
         else:
             # (weakly, as the items: a freed chain's parameters stay freed)
-            self.parameters = [weakref.ref(p) for p in chain_parameters(chain)]
-            modules = {
-                id(m): m
-                for item in chain
-                for top in modules_of(item)
-                for m in top.modules()
-            }
-            self.modules = [weakref.ref(m) for m in modules.values()]
+            modules = chain_modules(chain)
+            self.parameters = [weakref.ref(p) for p in parameters_of(modules)]
+            self.modules = [weakref.ref(m) for m in modules]
             self.frontiers = {}
 
     def state(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
@@ -401,14 +402,7 @@ def _bound_values(item: Any) -> tuple[Any, ...]:
     while isinstance(func, functools.partial):
         values += [*func.args, *func.keywords.values()]
         func = func.func
-    func = getattr(func, "__func__", func)
-    values += getattr(func, "__defaults__", None) or ()
-    values += (getattr(func, "__kwdefaults__", None) or {}).values()
-    for cell in getattr(func, "__closure__", None) or ():
-        try:
-            values.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            continue
+    values += bound_by(func)
     return tuple(_hashable(v) for v in values if _plain(v))
 
 

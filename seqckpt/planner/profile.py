@@ -758,15 +758,24 @@ def profile(
     )
 
 
+def chain_modules(chain: Sequence[Any]) -> list[nn.Module]:
+    """The modules the chain's items run, with their submodules, each once."""
+    found = {
+        id(m): m for item in chain for top in modules_of(item) for m in top.modules()
+    }
+    return list(found.values())
+
+
+def parameters_of(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """The parameters of ``modules`` (their own, not their submodules'), each
+    once."""
+    params = {id(p): p for m in modules for p in m.parameters(recurse=False)}
+    return list(params.values())
+
+
 def chain_parameters(chain: Sequence[Any]) -> list[torch.Tensor]:
     """The parameters of the modules the chain's items run, each once."""
-    params = {
-        id(p): p
-        for item in chain
-        for module in modules_of(item)
-        for p in module.parameters()
-    }
-    return list(params.values())
+    return parameters_of(chain_modules(chain))
 
 
 def shared_grad_bytes(used: Sequence[Sequence[torch.Tensor]]) -> list[int]:
