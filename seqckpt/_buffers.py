@@ -96,6 +96,11 @@ __all__ = [
 ]
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
+# Forwards that add one to num_batches_tracked whenever they update the
+# running statistics (an override of its own may not; InstanceNorm does not).
+_COUNTING_FORWARDS = frozenset(
+    {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
+)
 
 
 def _quantizer_types() -> tuple[type, ...]:
@@ -635,11 +640,12 @@ class BufferGuard:
                 self.held.append((module, name, tensor))
         self.entries += self._deferred_entries()
         self.deferred, self.unwritten = [], {}
+        idle = () if self.conservative else self._batch_norms_not_run()
         changed = []
         for e in self.entries:
             module, name, tensor, version, _, hidden = e
             if (
-                hidden
+                (hidden and not (id(module) in idle and name in _HIDDEN_WRITES))
                 or tensor._version != version
                 or _held(module, name) is not tensor
             ):
@@ -648,6 +654,22 @@ class BufferGuard:
                 self.held.append((module, name, tensor))
         self.entries = changed
         return lost
+
+    def _batch_norms_not_run(self) -> set[int]:
+        """The batch norms whose running statistics the first run cannot have
+        updated: torch's own forward counts every update in
+        ``num_batches_tracked``, whose version did not move. (A closure over
+        all of a model's blocks, as timm's ``checkpoint_seq`` makes, reaches
+        many that the region never runs; their statistics need no copy.)"""
+        return {
+            id(module)
+            for module, name, tensor, version, _, _ in self.entries
+            if name == "num_batches_tracked"
+            and isinstance(module, nn.modules.batchnorm._NormBase)
+            and type(module).forward in _COUNTING_FORWARDS
+            and tensor._version == version
+            and _held(module, name) is tensor
+        }
 
     def replay(self) -> list[Undo] | None:
         """Put the first-run tensors and values in place; returns what

@@ -1362,8 +1362,11 @@ def bn_blocks() -> nn.ModuleList:
     )
 
 
-def timm_checkpoint_seq(functions: Any, x: torch.Tensor, every: int = 2) -> Any:
-    """timm's checkpoint_seq: a closure over a tuple of modules per chunk."""
+def timm_checkpoint_seq(
+    functions: Any, x: torch.Tensor, every: int = 2, using: Any = checkpoint
+) -> Any:
+    """timm's checkpoint_seq: a closure over a tuple of modules per chunk
+    (``using``: the checkpoint function it calls)."""
 
     def run_function(start: int, end: int, fns: Any) -> Callable[..., Any]:
         def forward(h: torch.Tensor) -> torch.Tensor:
@@ -1376,7 +1379,7 @@ def timm_checkpoint_seq(functions: Any, x: torch.Tensor, every: int = 2) -> Any:
     fns = tuple(functions)
     for start in range(0, len(fns), every):
         end = min(start + every - 1, len(fns) - 1)
-        x = checkpoint(run_function(start, end, fns), x, use_reentrant=False)
+        x = using(run_function(start, end, fns), x, use_reentrant=False)
     return x
 
 
@@ -1447,6 +1450,35 @@ def run_all(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
 def test_buffers_of_modules_reached_through_containers(call: Any) -> None:
     x = torch.randn(6, 4, requires_grad=True)
     assert_matches_plain(bn_blocks(), x, call, plain=run_all)
+
+
+def test_a_closure_over_every_block_keeps_only_the_statistics_it_updates() -> None:
+    # timm's checkpoint_seq closes over all of a model's blocks and runs a few
+    # per region. Each region kept its first-run copy of every block's running
+    # statistics until backward (timm resnet50 at 32x32 through
+    # set_grad_checkpointing(): peak 13.46 MiB, plain 12.49, torch's
+    # checkpoint 10.24); a batch norm whose num_batches_tracked did not move
+    # did not run, and needs none.
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)) for _ in range(24)
+    )
+    x = torch.randn(2, 64, requires_grad=True)
+    every_block = lambda m, x: timm_checkpoint_seq(m, x, every=1)  # noqa: E731
+    assert_matches_plain(blocks, x, every_block, plain=run_all)
+    for p in blocks.parameters():  # allocated before, as in a training loop
+        p.grad = torch.zeros_like(p)
+    peaks = {}
+    for name, using in {"torch": torch_checkpoint, "seqckpt": checkpoint}.items():
+        with seqckpt.track_memory() as mem:
+            timm_checkpoint_seq(blocks, x, every=1, using=using).sum().backward()
+        peaks[name] = mem.peak_bytes
+    # beyond torch's (which updates the statistics twice): one first-run copy
+    # of the statistics of each block, kept by the one region that runs it
+    statistics = sum(b.numel() * b.element_size() for b in blocks.buffers())
+    assert peaks["seqckpt"] <= peaks["torch"] + statistics, peaks
 
 
 class Samples:

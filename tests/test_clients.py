@@ -94,6 +94,22 @@ def test_diffusers_models_through_both_routes(
 
 
 @pytest.mark.slow
+def test_every_hf_type_sweep_runs_where_transformers_is(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A causal LM, and a vision model with batch norms (whose statistics torch's
+    # checkpoint updates twice, which the sweep reports beside).
+    pytest.importorskip("transformers")
+    sweep = runpy.run_path(str(EXAMPLE.parent / "hf_every_type.py"))
+    code = sweep["main"](["--only", "llama,mobilevit", "--policies", "none,values"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("bitwise equal") == 2 * 2, out
+    assert "causal-lm: 2 bitwise, 0 failed" in out
+    assert "image-classification: 2 bitwise, 0 failed" in out
+
+
+@pytest.mark.slow
 def test_hf_trainer_keeps_seqckpt_as_the_checkpoint_function(tmp_path: Path) -> None:
     # The README's Trainer route: seqckpt set as the layers' checkpoint function
     # before building the Trainer, HF's own flag left off in the arguments. Two
