@@ -209,7 +209,7 @@ def _report(r: dict[str, Any]) -> str:
             f"{head} bitwise equal, peak {plain / 2**20:6.2f} -> {ckpt / 2**20:6.2f} "
             f"MiB; torch's checkpoint: {torch_word}"
         )
-    return f"{head} {r['status']}: {r['why'][:160]}"
+    return f"{head} {r['status']}: {' '.join(r['why'].split())[:160]}"
 
 
 def main(argv: list[str] | None = None) -> int:
