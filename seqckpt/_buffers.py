@@ -32,7 +32,10 @@ values, so no device synchronisation is needed:
   that declares it;
 - the module put another tensor in its place (``self.steps = self.steps + 1``);
 - ``running_mean`` / ``running_var`` of a module in training mode: batch-norm
-  kernels update running statistics without moving the version counter;
+  kernels update running statistics without moving the version counter
+  (except where the module is a batch norm with torch's own forward, which
+  adds one to ``num_batches_tracked`` at every update, and that did not move:
+  a closure over all of a model's blocks reaches many a region never runs);
 - any floating-point buffer of a TorchScript module in training mode (what
   runs inside is not visible);
 - every buffer of a quantization-aware-training fake-quantizer or observer
