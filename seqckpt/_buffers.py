@@ -71,6 +71,7 @@ import dis
 import functools
 import itertools
 import os
+import sys
 import threading
 import types
 import weakref
@@ -100,10 +101,23 @@ __all__ = [
 
 _HIDDEN_WRITES = frozenset({"running_mean", "running_var"})
 # Forwards that add one to num_batches_tracked whenever they update the
-# running statistics (an override of its own may not; InstanceNorm does not).
-_COUNTING_FORWARDS = frozenset(
-    {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
-)
+# running statistics (an override of its own may not; InstanceNorm does not):
+# torch's, and those of timm's batch norms with an activation (a copy of
+# torch's forward, and SyncBatchNorm's called; checked against timm 1.0.31),
+# added once timm is loaded.
+_COUNTING_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
+_TIMM_NORMS = ["BatchNormAct2d", "SyncBatchNormAct"]  # emptied once added
+
+
+def _counting_forwards() -> set[Any]:
+    norm_act = sys.modules.get("timm.layers.norm_act") if _TIMM_NORMS else None
+    if norm_act is not None:
+        for name in _TIMM_NORMS:
+            cls = getattr(norm_act, name, None)
+            if cls is not None:
+                _COUNTING_FORWARDS.add(cls.forward)
+        _TIMM_NORMS.clear()
+    return _COUNTING_FORWARDS
 
 
 def _quantizer_types() -> tuple[type, ...]:
@@ -664,12 +678,13 @@ class BufferGuard:
         ``num_batches_tracked``, whose version did not move. (A closure over
         all of a model's blocks, as timm's ``checkpoint_seq`` makes, reaches
         many that the region never runs; their statistics need no copy.)"""
+        counting = _counting_forwards()
         return {
             id(module)
             for module, name, tensor, version, _, _ in self.entries
             if name == "num_batches_tracked"
             and isinstance(module, nn.modules.batchnorm._NormBase)
-            and type(module).forward in _COUNTING_FORWARDS
+            and type(module).forward in counting
             and tensor._version == version
             and _held(module, name) is tensor
         }

@@ -94,6 +94,51 @@ def test_diffusers_models_through_both_routes(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["resnet50", "efficientnet_b0"])
+def test_timm_own_switch_keeps_only_the_statistics_each_region_updates(
+    example: dict[str, Any], name: str
+) -> None:
+    # timm's checkpoint_seq closes over every block and runs one per region:
+    # seqckpt kept every block's batch-norm statistics in every region
+    # (resnet50: nn.BatchNorm2d; efficientnet_b0: timm's BatchNormAct2d), a
+    # peak above torch's by about a megabyte at 64x64. Now the difference is
+    # one copy of the statistics (the first-run values, which torch does not
+    # keep, updating them twice).
+    import functools
+
+    import torch
+
+    import seqckpt
+
+    timm = pytest.importorskip("timm")
+    build = functools.partial(timm.create_model, name, num_classes=3)
+
+    def switched(model: Any) -> Any:
+        model.set_grad_checkpointing(True)
+        return example["UnderSeqckpt"](model)
+
+    images = torch.randn(2, 3, 64, 64)
+    example["compare"](build, images, switched)  # bitwise, inside
+    peaks = {}
+    for route in ("torch", "seqckpt"):
+        torch.manual_seed(0)
+        model = build().train()
+        model.set_grad_checkpointing(True)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        with seqckpt.track_memory() as mem:
+            if route == "torch":
+                out = model(images)
+            else:
+                with seqckpt.replace_torch_checkpoint():
+                    out = model(images)
+            out.float().sum().backward()
+        peaks[route] = mem.peak_bytes
+    statistics = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert peaks["seqckpt"] <= peaks["torch"] + statistics, peaks
+
+
+@pytest.mark.slow
 def test_every_hf_type_sweep_runs_where_transformers_is(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
