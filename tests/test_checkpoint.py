@@ -1481,6 +1481,30 @@ def test_a_closure_over_every_block_keeps_only_the_statistics_it_updates() -> No
     assert peaks["seqckpt"] <= peaks["torch"] + statistics, peaks
 
 
+class UncountedBatchNorm(nn.BatchNorm1d):
+    """Updates its running statistics without counting the update in
+    ``num_batches_tracked``: nothing shows that it ran."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias,
+            True, 0.1, self.eps,
+        )  # fmt: skip
+
+
+def test_a_batch_norm_that_does_not_count_its_updates_keeps_its_copies() -> None:
+    # Only forwards known to count (torch's, timm's copy of it) let a region
+    # drop the copies of statistics whose counter did not move.
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(4, 4), UncountedBatchNorm(4)) for _ in range(3)
+    )
+    every_block = lambda m, x: timm_checkpoint_seq(m, x, every=1)  # noqa: E731
+    assert_matches_plain(
+        blocks, torch.randn(6, 4, requires_grad=True), every_block, plain=run_all
+    )
+
+
 class Samples:
     def __init__(self) -> None:
         self.rows = list(range(100_000))
