@@ -111,14 +111,11 @@ def _case(task: str, name: str) -> tuple[Callable[[], nn.Module], dict[str, Any]
         inputs: dict[str, Any] = {"input_ids": ids, "labels": ids, "use_cache": False}
     else:
         size = getattr(config, "image_size", 32)
+        side = min(size, 64) if isinstance(size, int) else 32  # (some give a pair)
         channels = getattr(config, "num_channels", 3)
+        channels = channels if isinstance(channels, int) else 3
         inputs = {
-            "pixel_values": torch.randn(
-                2,
-                channels if isinstance(channels, int) else 3,
-                min(size, 64) if isinstance(size, int) else 32,
-                min(size, 64) if isinstance(size, int) else 32,
-            ),
+            "pixel_values": torch.randn(2, channels, side, side),
             "labels": torch.tensor([0, 1]),
         }
     return (lambda: model_class(config)), inputs
