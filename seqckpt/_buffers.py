@@ -568,9 +568,10 @@ class BufferGuard:
             if id(m) in visited:
                 continue
             visited.add(id(m))
-            script = isinstance(m, torch.jit.ScriptModule)
+            kind = type(m)
+            script = (_KINDS.get(kind) or _kind(kind))[3]
             for name, p in () if script else m._parameters.items():
-                if _stand_in(p):
+                if type(p) is not _Parameter and _stand_in(p):
                     assert p is not None
                     self.stand_ins.append((m, name, p))
             buffers = m._buffers
