@@ -33,9 +33,10 @@ values, so no device synchronisation is needed:
 - the module put another tensor in its place (``self.steps = self.steps + 1``);
 - ``running_mean`` / ``running_var`` of a module in training mode: batch-norm
   kernels update running statistics without moving the version counter
-  (except where the module is a batch norm with torch's own forward, which
-  adds one to ``num_batches_tracked`` at every update, and that did not move:
-  a closure over all of a model's blocks reaches many a region never runs);
+  (except where the module is a batch norm whose forward adds one to
+  ``num_batches_tracked`` at every update, torch's or timm's copy of it, and
+  that did not move: a closure over all of a model's blocks reaches many a
+  region never runs);
 - any floating-point buffer of a TorchScript module in training mode (what
   runs inside is not visible);
 - every buffer of a quantization-aware-training fake-quantizer or observer
@@ -675,8 +676,8 @@ class BufferGuard:
 
     def _batch_norms_not_run(self) -> set[int]:
         """The batch norms whose running statistics the first run cannot have
-        updated: torch's own forward counts every update in
-        ``num_batches_tracked``, whose version did not move. (A closure over
+        updated: their forward (torch's, or timm's copy of it) counts every
+        update in ``num_batches_tracked``, whose version did not move. (A closure over
         all of a model's blocks, as timm's ``checkpoint_seq`` makes, reaches
         many that the region never runs; their statistics need no copy.)"""
         counting = _counting_forwards()

@@ -1383,6 +1383,10 @@ def timm_checkpoint_seq(
     return x
 
 
+def each_block_its_region(m: nn.ModuleList, x: torch.Tensor) -> Any:
+    return timm_checkpoint_seq(m, x, every=1)
+
+
 class Stages:
     """A callable object holding modules in a dict attribute."""
 
@@ -1466,8 +1470,7 @@ def test_a_closure_over_every_block_keeps_only_the_statistics_it_updates() -> No
         nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)) for _ in range(24)
     )
     x = torch.randn(2, 64, requires_grad=True)
-    every_block = lambda m, x: timm_checkpoint_seq(m, x, every=1)  # noqa: E731
-    assert_matches_plain(blocks, x, every_block, plain=run_all)
+    assert_matches_plain(blocks, x, each_block_its_region, plain=run_all)
     for p in blocks.parameters():  # allocated before, as in a training loop
         p.grad = torch.zeros_like(p)
     peaks = {}
@@ -1499,10 +1502,8 @@ def test_a_batch_norm_that_does_not_count_its_updates_keeps_its_copies() -> None
     blocks = nn.ModuleList(
         nn.Sequential(nn.Linear(4, 4), UncountedBatchNorm(4)) for _ in range(3)
     )
-    every_block = lambda m, x: timm_checkpoint_seq(m, x, every=1)  # noqa: E731
-    assert_matches_plain(
-        blocks, torch.randn(6, 4, requires_grad=True), every_block, plain=run_all
-    )
+    x = torch.randn(6, 4, requires_grad=True)
+    assert_matches_plain(blocks, x, each_block_its_region, plain=run_all)
 
 
 class Samples:
