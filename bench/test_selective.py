@@ -6,7 +6,9 @@ causal attention, GELU MLP; CPU batch 8 x 128 tokens):
 - ``per-block``: every block its own checkpoint: torch non-reentrant, torch's
   selective checkpointing keeping the compute-heavy ops (SAC), and seqckpt
   without and with ``policy="compute_heavy"`` (the same choice). Target (issue
-  14): seqckpt's no slower than torch's SAC at no more memory.
+  14): seqckpt's no slower than torch's SAC at no more memory. Beside them,
+  ``seqckpt_keep_attention``: each block's attention branch kept whole with
+  ``seqckpt.keep`` (no dispatch mode), its MLP branch recomputed.
 - ``plan-at-torch``: for each torch variant (per-block checkpoint, per-block SAC,
   ``checkpoint_sequential`` k = 2..6), ``seqckpt.plan`` (policies None and
   compute_heavy) with that variant's measured peak as the budget, timed against
@@ -34,6 +36,7 @@ import seqckpt
 from bench.workloads import (
     Forward,
     device,
+    every_block,
     paired_ratio,
     peak_bytes,
     plain,
@@ -59,12 +62,25 @@ PER_BLOCK: dict[str, Forward] = {
     "torch_sac": torch_sac_every_block,
     "seqckpt": seqckpt_every_block(None),
     "seqckpt_compute_heavy": seqckpt_every_block("compute_heavy"),
+    "seqckpt_keep_attention": every_block(
+        lambda block, x: seqckpt.checkpoint(_keeping_attention, block, x)
+    ),
 }
 TORCH_VARIANTS: dict[str, Forward] = {
     "torch_every_block": torch_every_block,
     "torch_sac_every_block": torch_sac_every_block,
     **{f"torch_sequential_k{k}": torch_sequential(k, False) for k in range(2, 7)},
 }
+
+
+def _keeping_attention(block: Any, x: torch.Tensor) -> torch.Tensor:
+    """A GPT block whose attention branch its region keeps (seqckpt.keep):
+    the recompute runs the MLP branch only."""
+    x = x + seqckpt.keep(block.attention, x)
+    out: torch.Tensor = x + block.down(
+        torch.nn.functional.gelu(block.up(block.norm2(x)))
+    )
+    return out
 
 
 @cache

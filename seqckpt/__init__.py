@@ -21,6 +21,7 @@ from seqckpt import policies
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.blocks import CheckpointedForward, checkpoint_blocks
 from seqckpt.checkpoint import CheckpointedFunction, CheckpointError, checkpoint
+from seqckpt.keep import keep
 from seqckpt.kept_report import KeptReport, what_is_kept
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
@@ -43,6 +44,7 @@ __all__ = [
     "checkpoint_sequential",
     "is_checkpointing",
     "is_recomputing",
+    "keep",
     "name",
     "plan",
     "policies",

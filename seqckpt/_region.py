@@ -35,7 +35,7 @@ import operator
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
@@ -57,6 +57,9 @@ from seqckpt._fingerprint import fingerprint, first_mismatch
 from seqckpt._options import CheckpointError, ContextFn, Options
 from seqckpt._tree import copy_lists, replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Kept, Serving, uncounted_op
+
+if TYPE_CHECKING:
+    from seqckpt.keep import KeptCalls
 
 
 def _compiled_part(function: object, walked: Iterable[nn.Module]) -> str | None:
@@ -135,14 +138,15 @@ def _op_difference(forward: list[str], recompute: list[str]) -> str:
 _EMPTY = torch.empty(0)
 
 
-# Where a region with a policy that is created while another region runs its
-# function registers (the running region's list for this pass, and whether the
-# pass is that region's first forward). A nested region's recompute runs after
+# The region whose function runs now (innermost), the list where a region
+# with a policy that is created during this pass registers, and whether the
+# pass is the region's first forward. A nested region's recompute runs after
 # its parent's; what it keeps in the parent's first forward would be held all
 # that time, so it keeps nothing then, and the parent's recompute, which makes
-# the region again, hands the new one's kept outputs to it.
-_POLICY_CHILDREN: contextvars.ContextVar[tuple[list[_Region], bool] | None] = (
-    contextvars.ContextVar("seqckpt_policy_children", default=None)
+# the region again, hands the new one's kept outputs to it. seqckpt.keep finds
+# its region here.
+RUNNING: contextvars.ContextVar[tuple[_Region, list[_Region], bool] | None] = (
+    contextvars.ContextVar("seqckpt_running_region", default=None)
 )
 
 
@@ -199,6 +203,8 @@ class _Region:
         "unfilled",
         "caches",
         "snapshot",
+        "pack_now",
+        "kept_calls",
         "__weakref__",
     )
 
@@ -234,11 +240,15 @@ class _Region:
         self.children: list[weakref.ref[_Region]] | None = None
         self.keep_later = False
         self.name = name
+        # the pack hook of the pass running now, and the calls seqckpt.keep
+        # kept in the forward (see seqckpt.keep)
+        self.pack_now: Callable[[torch.Tensor], Any] | None = None
+        self.kept_calls: KeptCalls | None = None
         if options.policy is not None:
-            running = _POLICY_CHILDREN.get()
+            running = RUNNING.get()
             if running is not None:
-                running[0].append(self)
-                self.keep_later = running[1]
+                running[1].append(self)
+                self.keep_later = running[2]
         inputs = tensors_in(args) if args else []
         if kwargs:
             tensors_in(kwargs, inputs)
@@ -338,10 +348,11 @@ class _Region:
         lost = None
         self.in_forward = True
         children: list[_Region] = []
-        running = _POLICY_CHILDREN.set((children, True))
+        running = RUNNING.set((self, children, True))
         pack: Callable[[torch.Tensor], Any] = self._pack
         if _USER_HOOKS is not None:
             pack = _mark_internal(functools.partial(_Region._pack, self))
+        self.pack_now = pack
         torch._C._autograd._push_saved_tensors_default_hooks(pack, self._unpack)
         try:
             if extra is None:
@@ -353,7 +364,8 @@ class _Region:
             torch._C._autograd._pop_saved_tensors_default_hooks()
             if _USER_HOOKS is not None:
                 del pack._user_hooks  # type: ignore[attr-defined]
-            _POLICY_CHILDREN.reset(running)
+            RUNNING.reset(running)
+            self.pack_now = None
             self.children = [weakref.ref(c) for c in children] if children else None
             self.in_forward = False
             if self.snapshot is not None:
@@ -553,7 +565,10 @@ class _Region:
                 _mark_internal(pack)
             torch._C._autograd._push_saved_tensors_default_hooks(pack, _identity)
             remade: list[_Region] = []
-            running = _POLICY_CHILDREN.set((remade, False))
+            running = RUNNING.set((self, remade, False))
+            forward_pack, self.pack_now = self.pack_now, pack
+            if self.kept_calls is not None:
+                self.kept_calls.served = 0
             try:
                 if extra is None:
                     function(*args, **kwargs)
@@ -566,7 +581,8 @@ class _Region:
                 if not stopped:
                     raise
             finally:
-                _POLICY_CHILDREN.reset(running)
+                RUNNING.reset(running)
+                self.pack_now = forward_pack
                 torch._C._autograd._pop_saved_tensors_default_hooks()
                 if _USER_HOOKS is not None:
                     del pack._user_hooks  # type: ignore[attr-defined]

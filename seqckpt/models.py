@@ -144,7 +144,8 @@ class GPTBlock(nn.Module):
         self.up = nn.Linear(width, 4 * width)
         self.down = nn.Linear(4 * width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention branch, without its residual."""
         batch, length, width = x.shape
         q, k, v = (
             self.qkv(self.norm1(x))
@@ -152,7 +153,13 @@ class GPTBlock(nn.Module):
             .permute(2, 0, 3, 1, 4)
         )
         attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        out: torch.Tensor = self.proj(
+            attended.transpose(1, 2).reshape(batch, length, width)
+        )
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(x)
         out: torch.Tensor = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
         return out
 

@@ -546,3 +546,30 @@ def test_compiled_checkpoint_blocks_model_with_batch_norm() -> None:
     for plain, checkpointed in zip(*results, strict=True):
         assert torch.equal(plain, checkpointed)
     assert convolutions[0] == 0 and convolutions[1] >= 4  # the stage's four convs
+
+
+@pytest.mark.slow
+def test_compiled_region_with_a_kept_call() -> None:
+    """seqckpt.keep is a plain call in compiled code (fullgraph=True: no graph
+    break), where the region becomes torch's checkpoint operator."""
+    import seqckpt
+
+    model = tanh_chain(4)
+
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return model[3](model[2](seqckpt.keep(model[1], model[0](t))))
+
+    x = torch.randn(4, 16, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda t: seqckpt.checkpoint(block, t), fullgraph=True, backend="aot_eager"
+    )
+    compiled(x).sum().backward()
+    got = [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+    model.zero_grad()
+    x.grad = None
+    model(x).sum().backward()
+    expected = [x.grad, *(p.grad for p in model.parameters())]
+    assert all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(got, expected, strict=True)
+    )

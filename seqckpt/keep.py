@@ -1,0 +1,238 @@
+"""Calls a checkpointed region keeps whole: :func:`keep`.
+
+A region keeps its inputs and recomputes everything else; a policy keeps the
+outputs of chosen ops, picked one by one by a dispatch mode that sees every op.
+``keep`` says it for a stretch of code instead: inside a region's function,
+``seqckpt.keep(self.attention, x)`` runs the attention with the region's
+saved-tensor hooks lifted, so what its ops save for backward is held as
+without checkpointing, and remembers its output. The recompute does not run it
+again: it is handed that output (and the RNG state the call left behind) and
+goes on from there. No dispatch mode is involved, so the call costs nothing
+per op, and code the policy forms cannot name (custom kernels, an autograd
+Function, one matmul of two) is kept as easily as a module.
+
+How it stays exact. Calls are matched by their order within the region: the
+recompute's ``n``-th ``keep`` is served the forward's ``n``-th output when it
+calls the same function and that output was not written in place since
+(``out += residual`` after the call); otherwise it runs the call again, with
+the hooks still lifted, so the count of saved tensors the recompute collects
+never depends on which calls were served. seqckpt's own dispatch modes (a
+policy's, ``debug``'s op log) are set aside during the call in both passes, so
+the ops a policy numbers are the same ones whether or not it is served. Under
+torch's selective checkpointing (``context_fn``), which numbers ops the same
+way and cannot be set aside, the call is kept but always run again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import (
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
+
+from seqckpt._region import RUNNING, _OpLog
+from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.policies import Keeping, Serving
+
+if TYPE_CHECKING:
+    from seqckpt._region import _Region
+    from seqckpt._state import RngState
+
+__all__ = ["keep"]
+
+T = TypeVar("T")
+
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+
+
+def keep(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call ``function(*args, **kwargs)`` inside a checkpointed function,
+    keeping what it saves for backward: the region's recompute does not run it
+    again but takes its output as the forward made it.
+
+    Use it on the expensive part of a checkpointed block (attention, a large
+    projection, a custom kernel) to trade memory for recompute time by a
+    stretch of code rather than by op. Memory: what the call saves for
+    backward, plus its outputs, are held until backward has passed the
+    region. Outside a seqckpt region (and under ``torch.compile``, where a
+    region becomes torch's checkpoint operator) it is a plain call.
+
+    Gradients, outputs and buffers stay bitwise those of the plain run: the
+    RNG state the call leaves behind is put in place when it is skipped (the
+    region's ``preserve_rng_state``), module buffers it updates are updated
+    once, and a call whose output was written in place after it, or a
+    recompute that makes another call in its place, runs the call again.
+
+    Args:
+        function: any callable: a module, a function, a bound method.
+        *args: its positional arguments.
+        **kwargs: its keyword arguments (all of them passed on).
+
+    Returns:
+        What ``function`` returns.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(),
+        ...                           torch.nn.Linear(32, 8))
+        >>> def block(x):
+        ...     a, _ = seqckpt.keep(attention, x, x, x, need_weights=False)
+        ...     h = x + a
+        ...     return h + mlp(h)  # recomputed in backward; the attention is not
+        >>> x = torch.randn(2, 5, 8, requires_grad=True)
+        >>> seqckpt.checkpoint(block, x).sum().backward()
+    """
+    if not callable(function):
+        raise TypeError(
+            "seqckpt: keep() takes the callable to keep first, got "
+            f"{function!r} of type {type(function).__name__}; call it as "
+            "seqckpt.keep(module, x), not seqckpt.keep(module(x))."
+        )
+    if torch.compiler.is_compiling():
+        return function(*args, **kwargs)
+    running = RUNNING.get()
+    if running is None:
+        return function(*args, **kwargs)
+    region, _, first = running
+    calls = region.kept_calls
+    if first:
+        if calls is None:
+            calls = region.kept_calls = KeptCalls()
+        return calls.record(region, function, args, kwargs)
+    if calls is None:  # (the forward made no such call)
+        return _run_lifted(region, function, args, kwargs)
+    return calls.serve(region, function, args, kwargs)
+
+
+class KeptCalls:
+    """The outputs of the calls a region's forward kept, in order, with what
+    a recompute needs to stand them in for the call; ``served``: how many the
+    recompute running now has reached."""
+
+    __slots__ = ("entries", "served")
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+        self.served = 0
+
+    def record(
+        self,
+        region: _Region,
+        function: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        out = _run_lifted(region, function, args, kwargs)
+        if region.options.context_fn is not None:
+            # torch's selective checkpointing numbers the call's ops in both
+            # passes: it must run again in the recompute
+            self.entries.append(None)
+            return out
+        tensors = tensors_in(out)
+        # detached: the region must not hold the forward's graph (a cycle
+        # through autograd's nodes, which the garbage collector cannot see)
+        held = [t.detach() for t in tensors]
+        self.entries.append(
+            (
+                _identity(function),
+                replace_tensors(out, held),
+                [t._version for t in held],
+                [t.requires_grad for t in tensors],
+                region.rng.current() if region.rng is not None else None,
+            )
+        )
+        return out
+
+    def serve(
+        self,
+        region: _Region,
+        function: Callable[..., T],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> T:
+        index = self.served
+        self.served = index + 1
+        entry = self.entries[index] if index < len(self.entries) else None
+        if entry is not None:
+            identity, out, versions, grads, rng = entry
+            held = tensors_in(out)
+            if identity == _identity(function) and versions == [
+                t._version for t in held
+            ]:
+                if rng is not None:
+                    rng.restore()
+                # fresh leaves: the recompute's graph is thrown away, and ops
+                # save for backward only what a tensor requiring grad needs
+                fresh = [
+                    t.detach().requires_grad_(g)
+                    for t, g in zip(held, grads, strict=True)
+                ]
+                served: T = replace_tensors(out, fresh)
+                return served
+        return _run_lifted(region, function, args, kwargs)
+
+
+# (what identifies the function, its output with detached tensors, their
+# versions, which required grad, the RNG state after the call), or None for
+# a call that always runs again
+_Entry = tuple[Any, Any, list[int], list[bool], "RngState | None"] | None
+
+
+def _identity(function: Callable[..., Any]) -> Any:
+    """What tells one kept call's function from another's across the two
+    passes: a bound method or a partial is made anew on each call."""
+    if isinstance(function, functools.partial):
+        return (_identity(function.func), len(function.args), tuple(function.keywords))
+    owner = getattr(function, "__self__", None)
+    if owner is not None and hasattr(function, "__func__"):
+        return (function.__func__, id(owner))  # type: ignore[attr-defined]
+    return function
+
+
+def _run_lifted(
+    region: _Region,
+    function: Callable[..., T],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> T:
+    """``function`` called with the region's saved-tensor hooks and seqckpt's
+    own dispatch modes lifted, as if outside the region (regions made inside
+    it are regions of their own)."""
+    with _hooks_lifted(region), _own_modes_lifted():
+        token = RUNNING.set(None)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            RUNNING.reset(token)
+
+
+@contextmanager
+def _hooks_lifted(region: _Region) -> Iterator[None]:
+    top = _top_hooks(False)
+    if top is None or top[0] is not region.pack_now:
+        # hooks of the user's inside the region are on top: the call runs
+        # under them, and the region's do not see it
+        yield
+        return
+    _pop_hooks()
+    try:
+        yield
+    finally:
+        _push_hooks(*top)
+
+
+@contextmanager
+def _own_modes_lifted() -> Iterator[None]:
+    with ExitStack() as lifted:
+        while isinstance(_get_current_dispatch_mode(), (Keeping, Serving, _OpLog)):
+            lifted.enter_context(_pop_mode_temporarily())
+        yield

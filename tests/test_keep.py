@@ -1,0 +1,220 @@
+"""seqckpt.keep: a call a region keeps whole is not run again in the recompute,
+and the step stays bitwise the plain run's."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import seqckpt
+from seqckpt.memory import track_memory
+from seqckpt.planner.frontier import TORCH_SAC
+from tests.counting import OpCounter
+from tests.oracle import assert_matches_plain
+
+
+class Block(nn.Module):
+    """A pre-norm attention block whose attention branch (dropout inside) goes
+    through ``seqckpt.keep``, followed by a batch norm and an MLP with dropout:
+    every kind of state the recompute must see as the forward did."""
+
+    def __init__(self, kept: bool = True, in_place: bool = False) -> None:
+        super().__init__()
+        self.kept, self.in_place = kept, in_place
+        self.norm1 = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, dropout=0.2, batch_first=True)
+        self.bn = nn.BatchNorm1d(5)
+        self.norm2 = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(
+            nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 16)
+        )
+        self.attention_calls = 0
+
+    def attention(self, h: torch.Tensor) -> torch.Tensor:
+        self.attention_calls += 1
+        out: torch.Tensor = self.attn(h, h, h, need_weights=False)[0]
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        a = seqckpt.keep(self.attention, h) if self.kept else self.attention(h)
+        if self.in_place:
+            a.mul_(0.5)  # the kept output changes after the call
+        x = x + self.bn(a)
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
+
+
+def blocks(n: int = 2, **kwargs: Any) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(**kwargs) for _ in range(n)])
+
+
+def sample(batch: int = 3) -> torch.Tensor:
+    torch.manual_seed(1)
+    return torch.randn(batch, 5, 16, requires_grad=True)
+
+
+def attention_calls(model: nn.Module) -> int:
+    return sum(m.attention_calls for m in model.modules() if isinstance(m, Block))
+
+
+@pytest.mark.parametrize("policy", [None, "compute_heavy"])
+@pytest.mark.parametrize("check", ["default", "values"])
+def test_kept_calls_train_bitwise(policy: str | None, check: str) -> None:
+    assert_matches_plain(
+        blocks(),
+        sample(),
+        lambda m, x: seqckpt.checkpoint(
+            m, x, policy=policy, determinism_check=check, debug=True
+        ),
+    )
+
+
+def test_kept_calls_in_a_chain_and_in_nested_regions() -> None:
+    assert_matches_plain(
+        blocks(4), sample(), lambda m, x: seqckpt.checkpoint_sequential(m, 2, x)
+    )
+
+    def nested(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        def outer(x: torch.Tensor) -> torch.Tensor:
+            for block in m:
+                x = seqckpt.checkpoint(block, x)
+            return x
+
+        return seqckpt.checkpoint(outer, x)  # type: ignore[no-any-return]
+
+    assert_matches_plain(blocks(), sample(), nested)
+
+
+def test_the_recompute_does_not_run_a_kept_call_again() -> None:
+    model = blocks()
+    out = seqckpt.checkpoint(model, sample())
+    assert attention_calls(model) == 2
+    out.sum().backward()
+    assert attention_calls(model) == 2  # the MLPs were recomputed, not these
+
+    unkept = blocks(kept=False)
+    seqckpt.checkpoint(unkept, sample()).sum().backward()
+    assert attention_calls(unkept) == 4
+
+
+def test_a_kept_output_written_in_place_afterwards_runs_again() -> None:
+    model = blocks(in_place=True)
+    seqckpt.checkpoint(model, sample()).sum().backward()
+    assert attention_calls(model) == 4
+    assert_matches_plain(
+        blocks(in_place=True), sample(), lambda m, x: seqckpt.checkpoint(m, x)
+    )
+
+
+def test_kept_calls_hold_what_they_save_and_nothing_else() -> None:
+    """The step's peak lies between the region that keeps nothing and the
+    plain run, and the kept attention's share is what the attention saves."""
+
+    def peak(model: nn.Module, call: Any) -> int:
+        x = sample(16)
+        call(model, x).sum().backward()  # warm up
+        with track_memory() as memory:
+            call(model, x).sum().backward()
+        return memory.peak_bytes
+
+    def region(m: nn.Module, x: torch.Tensor) -> Any:
+        return seqckpt.checkpoint_sequential(m, 4, x)
+
+    plain = peak(blocks(4), lambda m, x: m(x))
+    nothing = peak(blocks(4, kept=False), region)
+    kept = peak(blocks(4), region)
+    assert nothing < kept < plain
+
+
+def test_the_call_keeps_what_it_returns_and_gets_its_keywords() -> None:
+    def block(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        a, b = seqckpt.keep(torch.chunk, x.sin(), 2, dim=-1)
+        c = seqckpt.keep(lambda t, s: {"value": t * s, "label": "kept"}, a, s=scale)
+        assert c["label"] == "kept"
+        return (c["value"] * b).cos()
+
+    x = torch.randn(4, 6, requires_grad=True)
+    scale = torch.randn(3, requires_grad=True)
+    expected = torch.autograd.grad(block(x, scale).sum(), (x, scale))
+    got = torch.autograd.grad(seqckpt.checkpoint(block, x, scale).sum(), (x, scale))
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+
+
+def test_policy_outputs_after_a_kept_call_are_still_served() -> None:
+    """The ops inside a kept call are not numbered by the policy's dispatch
+    mode, so the ones after it are served in the recompute as without it."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return second(seqckpt.keep(first, x).relu()).tanh()
+
+    out = seqckpt.checkpoint(block, torch.randn(4, 8), policy="compute_heavy")
+    with OpCounter() as counter:
+        out.sum().backward()
+    assert "addmm" not in counter.counts  # neither kept call nor served one ran
+
+
+def test_under_torchs_selective_checkpointing_a_kept_call_runs_again() -> None:
+    """torch's selective checkpointing numbers ops in both passes and cannot
+    be set aside, so the call is run again (and what it caches stays right)."""
+    model = blocks()
+    seqckpt.checkpoint(model, sample(), context_fn=TORCH_SAC).sum().backward()
+    assert attention_calls(model) == 4
+    assert_matches_plain(
+        blocks(), sample(), lambda m, x: seqckpt.checkpoint(m, x, context_fn=TORCH_SAC)
+    )
+
+
+def test_two_backward_passes_over_kept_calls() -> None:
+    def twice(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = seqckpt.checkpoint(m, x)
+        out.sum().backward(retain_graph=True)
+        return out  # the oracle's backward is the second
+
+    assert_matches_plain(
+        blocks(), sample(), twice, plain=lambda m, x: _plain_twice(m, x)
+    )
+
+
+def _plain_twice(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = m(x)
+    out.sum().backward(retain_graph=True)
+    return out  # type: ignore[no-any-return]
+
+
+def test_outside_a_region_it_is_a_plain_call() -> None:
+    x = torch.randn(3, requires_grad=True)
+    assert torch.equal(seqckpt.keep(torch.sin, x), x.sin())
+    assert seqckpt.keep(lambda: "no tensors") == "no tensors"
+    # torch's own checkpoint is not a seqckpt region: the call runs again there
+    model = blocks()
+    torch.utils.checkpoint.checkpoint(
+        model, sample(), use_reentrant=False
+    ).sum().backward()
+    assert attention_calls(model) == 4
+
+
+def test_regions_made_inside_a_kept_call_are_regions_of_their_own() -> None:
+    def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return seqckpt.keep(functools.partial(seqckpt.checkpoint, m), x).tanh()
+
+    torch.manual_seed(2)
+    assert_matches_plain(
+        nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)),
+        torch.randn(4, 8, requires_grad=True),
+        lambda m, x: seqckpt.checkpoint(block, m, x),
+        plain=lambda m, x: m(x).tanh(),
+    )
+
+
+def test_a_non_callable_is_named() -> None:
+    with pytest.raises(TypeError, match=r"seqckpt: keep\(\) takes the callable"):
+        seqckpt.keep(torch.ones(2))  # type: ignore[arg-type]
