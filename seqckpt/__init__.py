@@ -21,7 +21,7 @@ from seqckpt import policies
 from seqckpt._state import is_checkpointing, is_recomputing
 from seqckpt.blocks import CheckpointedForward, checkpoint_blocks
 from seqckpt.checkpoint import CheckpointedFunction, CheckpointError, checkpoint
-from seqckpt.keep import keep
+from seqckpt.keep import KeptForward, keep, keep_modules
 from seqckpt.kept_report import KeptReport, what_is_kept
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner import Plan, PlanError, plan, profile
@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointedForward",
     "CheckpointedFunction",
     "CheckpointedSequential",
+    "KeptForward",
     "KeptReport",
     "MemoryStats",
     "Plan",
@@ -45,6 +46,7 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "keep",
+    "keep_modules",
     "name",
     "plan",
     "policies",

@@ -31,6 +31,7 @@ from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import (
     _get_current_dispatch_mode,
     _pop_mode_temporarily,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from seqckpt._region import _Region
     from seqckpt._state import RngState
 
-__all__ = ["keep"]
+__all__ = ["KeptForward", "keep", "keep_modules"]
 
 T = TypeVar("T")
 
@@ -236,3 +237,97 @@ def _own_modes_lifted() -> Iterator[None]:
         while isinstance(_get_current_dispatch_mode(), (Keeping, Serving, _OpLog)):
             lifted.enter_context(_pop_mode_temporarily())
         yield
+
+
+class KeptForward:
+    """A module's forward run through :func:`keep`: set as the module's
+    ``forward`` (:func:`keep_modules` does it), so every call of the module
+    inside a seqckpt region is kept whole there, and a plain call elsewhere.
+    The module keeps its place, name and ``state_dict`` keys; its hooks run
+    around the kept call, once per call.
+
+    Example:
+        >>> import torch, seqckpt
+        >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+        >>> block[0].forward = seqckpt.KeptForward(block[0])
+        >>> x = torch.randn(2, 4, requires_grad=True)
+        >>> seqckpt.checkpoint(block, x).sum().backward()  # the Linear not recomputed
+    """
+
+    __slots__ = ("module", "forward")
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                "seqckpt: KeptForward takes the nn.Module whose forward it "
+                f"replaces, got {type(module).__name__}."
+            )
+        self.module = module
+        own = module.__dict__.get("forward")  # (one set on the module already)
+        self.forward = None if isinstance(own, KeptForward) else own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        forward = self.forward or type(module).forward.__get__(module)
+        return keep(forward, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"KeptForward({type(self.module).__name__})"
+
+
+def keep_modules(model: nn.Module, *names: str) -> list[str]:
+    """Make every submodule of ``model`` with one of ``names`` run through
+    :func:`keep`, in place: inside a seqckpt region (however the region is
+    made: ``seqckpt.checkpoint``, HF's switch given seqckpt's function,
+    :func:`~seqckpt.checkpoint_blocks`, ``replace_torch_checkpoint``) what it
+    saves is kept and the recompute does not run it again; elsewhere it runs
+    as before. This is how to keep, say, every attention of a model whose
+    code you do not want to edit.
+
+    A name matches a submodule whose qualified name is it or ends with it
+    after a dot: ``"self_attn"`` matches ``model.layers.0.self_attn`` in every
+    layer, ``"mlp.down_proj"`` each MLP's output projection.
+
+    Args:
+        model: any module.
+        *names: one or more names (or dotted ends of names) of submodules.
+
+    Returns:
+        The qualified names of the submodules now kept, in ``model``'s order.
+
+    Raises:
+        ValueError: no name given, or a name that matches no submodule (the
+            message lists the names the model's submodules end with).
+
+    Example:
+        >>> import torch, seqckpt
+        >>> layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        >>> seqckpt.keep_modules(layer, "self_attn")
+        ['self_attn']
+        >>> x = torch.randn(2, 5, 16, requires_grad=True)
+        >>> seqckpt.checkpoint(layer, x).sum().backward()  # attention not recomputed
+    """
+    if not names:
+        raise ValueError(
+            "seqckpt: keep_modules() needs at least one submodule name, e.g. "
+            'seqckpt.keep_modules(model, "self_attn").'
+        )
+    found: list[str] = []
+    matched: set[str] = set()
+    for qualified, module in model.named_modules():
+        hits = [n for n in names if qualified == n or qualified.endswith("." + n)]
+        if hits and qualified:
+            matched.update(hits)
+            if not isinstance(module.__dict__.get("forward"), KeptForward):
+                module.forward = KeptForward(module)  # type: ignore[method-assign]
+            found.append(qualified)
+    missing = [n for n in names if n not in matched]
+    if missing:
+        ends = sorted({q.rsplit(".", 1)[-1] for q, _ in model.named_modules() if q})
+        shown = ", ".join(ends[:20]) + (", ..." if len(ends) > 20 else "")
+        raise ValueError(
+            f"seqckpt: keep_modules() found no submodule named {missing[0]!r} in "
+            f"{type(model).__name__}; its submodules' names end in: {shown}. "
+            "Give a name (or the dotted end of one) from model.named_modules()."
+        )
+    return found

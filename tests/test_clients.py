@@ -267,3 +267,63 @@ def test_hf_decoder_cache_and_peft_prefix_tuning_through_checkpoint_blocks(
         seqckpt.checkpoint_blocks,
         lambda out: out.loss.float(),
     )
+
+
+@pytest.mark.slow
+def test_hf_attention_kept_whole_through_either_route(example: dict[str, Any]) -> None:
+    """seqckpt.keep_modules on a Llama's self_attn (attention dropout on):
+    bitwise through HF's switch with seqckpt's function and through
+    checkpoint_blocks, the attention not run again in backward, and the peak
+    between the region that keeps nothing and the plain run."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    import seqckpt
+
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        attention_dropout=0.1,
+        use_cache=False,
+    )
+    ids = torch.randint(0, 128, (2, 32))
+
+    def loss(out: Any) -> torch.Tensor:
+        return out.logits.float().logsumexp(-1).mean()
+
+    def build() -> Any:
+        return transformers.LlamaForCausalLM(config)
+
+    routes = {
+        "hf": example["use_seqckpt"],
+        "blocks": seqckpt.checkpoint_blocks,
+    }
+    for route in routes.values():
+
+        def kept(model: Any, route: Any = route) -> Any:
+            assert len(seqckpt.keep_modules(model, "self_attn")) == 3
+            return route(model)
+
+        plain, keeping = example["compare"](build, {"input_ids": ids}, kept, loss)
+        _, nothing = example["compare"](build, {"input_ids": ids}, route, loss)
+        assert nothing < keeping < plain
+
+    model = example["use_seqckpt"](build().train())
+    calls = []
+    for layer in model.model.layers:  # counts the attention's own forward
+        forward = layer.self_attn.forward
+
+        def counted(*args: Any, forward: Any = forward, **kwargs: Any) -> Any:
+            calls.append(1)
+            return forward(*args, **kwargs)
+
+        layer.self_attn.forward = counted
+    seqckpt.keep_modules(model, "self_attn")  # (wraps the counting forward)
+    out = model(input_ids=ids)
+    assert len(calls) == 3
+    loss(out).backward()
+    assert len(calls) == 3  # each layer recomputed, its attention served

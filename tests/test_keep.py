@@ -218,3 +218,83 @@ def test_regions_made_inside_a_kept_call_are_regions_of_their_own() -> None:
 def test_a_non_callable_is_named() -> None:
     with pytest.raises(TypeError, match=r"seqckpt: keep\(\) takes the callable"):
         seqckpt.keep(torch.ones(2))  # type: ignore[arg-type]
+
+
+class Counted(nn.Module):
+    """A two-layer branch that counts its forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = Counted()
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.branch(x)
+        out: torch.Tensor = x + self.mlp(x)
+        return out
+
+
+def test_keep_modules_keeps_every_matching_submodule() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(), Layer(), Layer())
+    assert seqckpt.keep_modules(model, "branch") == ["0.branch", "1.branch", "2.branch"]
+    assert seqckpt.keep_modules(model, "branch") == ["0.branch", "1.branch", "2.branch"]
+    assert_matches_plain(
+        model,
+        torch.randn(4, 16, requires_grad=True),
+        lambda m, x: seqckpt.checkpoint_sequential(m, 3, x),
+    )
+    x = torch.randn(4, 16, requires_grad=True)
+    seqckpt.checkpoint_sequential(model, 3, x).sum().backward()
+    assert [layer.branch.calls for layer in model] == [1, 1, 1]
+    model(x).sum().backward()  # outside a region: a plain call
+    assert [layer.branch.calls for layer in model] == [2, 2, 2]
+
+
+def test_keep_modules_on_torchs_transformer_layer() -> None:
+    torch.manual_seed(0)
+    layers = nn.Sequential(
+        *[nn.TransformerEncoderLayer(16, 2, 32, batch_first=True) for _ in range(2)]
+    )
+    assert seqckpt.keep_modules(layers, "self_attn", "linear2") == [
+        "0.self_attn",
+        "0.linear2",
+        "1.self_attn",
+        "1.linear2",
+    ]
+    assert_matches_plain(
+        layers, sample(), lambda m, x: seqckpt.checkpoint_sequential(m, 2, x)
+    )
+
+
+def test_keep_modules_names_what_it_did_not_find() -> None:
+    model = nn.Sequential(Layer())
+    with pytest.raises(ValueError, match=r"no submodule named 'attn'.*branch.*mlp"):
+        seqckpt.keep_modules(model, "branch", "attn")
+    with pytest.raises(ValueError, match="at least one submodule name"):
+        seqckpt.keep_modules(model)
+
+
+def test_a_kept_module_copies_with_its_model() -> None:
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer())
+    seqckpt.keep_modules(model, "branch")
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin[0].branch.forward.module is twin[0].branch
+        x = torch.randn(2, 16)
+        assert torch.equal(twin(x), model(x))
