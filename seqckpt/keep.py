@@ -13,8 +13,9 @@ Function, one matmul of two) is kept as easily as a module.
 
 How it stays exact. Calls are matched by their order within the region: the
 recompute's ``n``-th ``keep`` is served the forward's ``n``-th output when it
-calls the same function and that output was not written in place since
-(``out += residual`` after the call); otherwise it runs the call again, with
+calls the same function, that output was not written in place since
+(``out += residual`` after the call) and the call wrote into none of the
+tensors it was given; otherwise it runs the call again, with
 the hooks still lifted, so the count of saved tensors the recompute collects
 never depends on which calls were served. seqckpt's own dispatch modes (a
 policy's, ``debug``'s op log) are set aside during the call in both passes, so
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from seqckpt._region import RUNNING, _OpLog
+from seqckpt._region import RUNNING, _is_parameter, _OpLog, _versions
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Serving
 
@@ -69,8 +70,13 @@ def keep(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     Gradients, outputs and buffers stay bitwise those of the plain run: the
     RNG state the call leaves behind is put in place when it is skipped (the
     region's ``preserve_rng_state``), module buffers it updates are updated
-    once, and a call whose output was written in place after it, or a
-    recompute that makes another call in its place, runs the call again.
+    once, and a call whose output was written in place after it, one that
+    wrote into a tensor it was given (an in-place activation), or a recompute
+    that makes another call in its place, runs the call again. What a skipped
+    call writes elsewhere (a module buffer) is not written again in the
+    recompute: right for batch-norm statistics, which training does not read,
+    but keep a call out of ``keep`` if later code in the region reads state
+    it writes.
 
     Args:
         function: any callable: a module, a function, a bound method.
@@ -132,22 +138,38 @@ class KeptCalls:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> T:
+        given = tensors_in(args)
+        if kwargs:
+            tensors_in(kwargs, given)
+        before = _versions(given)
         out = _run_lifted(region, function, args, kwargs)
-        if region.options.context_fn is not None:
+        if region.options.context_fn is not None or _versions(given) != before:
             # torch's selective checkpointing numbers the call's ops in both
-            # passes: it must run again in the recompute
+            # passes; a call that wrote into a tensor it was given (an in-place
+            # activation) must write it in the recompute too: both run again
             self.entries.append(None)
             return out
         tensors = tensors_in(out)
-        # detached: the region must not hold the forward's graph (a cycle
-        # through autograd's nodes, which the garbage collector cannot see)
-        held = [t.detach() for t in tensors]
+        held: list[torch.Tensor] = []
+        serve_as: list[bool | None] = []
+        inputs = region.input_ids
+        for t in tensors:
+            if _is_parameter(t) or (inputs is not None and id(t) in inputs):
+                # what the region holds anyway, and its hooks tell by identity
+                # (a call that returns its input): served as the very object
+                held.append(t)
+                serve_as.append(None)
+            else:
+                # detached: the region must not hold the forward's graph (a
+                # cycle through autograd's nodes the garbage collector cannot see)
+                held.append(t.detach())
+                serve_as.append(t.requires_grad)
         self.entries.append(
             (
                 _identity(function),
                 replace_tensors(out, held),
-                [t._version for t in held],
-                [t.requires_grad for t in tensors],
+                _versions(held),
+                serve_as,
                 region.rng.current() if region.rng is not None else None,
             )
         )
@@ -164,28 +186,29 @@ class KeptCalls:
         self.served = index + 1
         entry = self.entries[index] if index < len(self.entries) else None
         if entry is not None:
-            identity, out, versions, grads, rng = entry
+            identity, out, versions, serve_as, rng = entry
             held = tensors_in(out)
-            if identity == _identity(function) and versions == [
-                t._version for t in held
-            ]:
+            if identity == _identity(function) and versions == _versions(held):
                 if rng is not None:
                     rng.restore()
                 # fresh leaves: the recompute's graph is thrown away, and ops
                 # save for backward only what a tensor requiring grad needs
-                fresh = [
-                    t.detach().requires_grad_(g)
-                    for t, g in zip(held, grads, strict=True)
-                ]
-                served: T = replace_tensors(out, fresh)
+                served: T = replace_tensors(
+                    out,
+                    [
+                        t if grad is None else t.detach().requires_grad_(grad)
+                        for t, grad in zip(held, serve_as, strict=True)
+                    ],
+                )
                 return served
         return _run_lifted(region, function, args, kwargs)
 
 
-# (what identifies the function, its output with detached tensors, their
-# versions, which required grad, the RNG state after the call), or None for
-# a call that always runs again
-_Entry = tuple[Any, Any, list[int], list[bool], "RngState | None"] | None
+# (what identifies the function, its output with its tensors detached or, for
+# one served as the very object, as they are, their versions, per tensor
+# whether it required grad or None for the very object, the RNG state after
+# the call), or None for a call that always runs again
+_Entry = tuple[Any, Any, list[int], list[bool | None], "RngState | None"] | None
 
 
 def _identity(function: Callable[..., Any]) -> Any:

@@ -298,3 +298,55 @@ def test_a_kept_module_copies_with_its_model() -> None:
         assert twin[0].branch.forward.module is twin[0].branch
         x = torch.randn(2, 16)
         assert torch.equal(twin(x), model(x))
+
+
+def test_a_kept_call_that_writes_into_its_argument_runs_again() -> None:
+    """An in-place activation kept whole: the recompute must write the tensor
+    again, since the code after it reads that tensor, not the call's output."""
+    torch.manual_seed(0)
+    relu = nn.ReLU(inplace=True)
+    calls = []
+
+    def activation(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return relu(t)
+
+    def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = m[0](x)
+        seqckpt.keep(activation, h)
+        return m[1](h)  # reads h as the call left it
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(
+        model, x, lambda m, x: seqckpt.checkpoint(block, m, x), plain=block
+    )
+    calls.clear()
+    seqckpt.checkpoint(block, model, x).sum().backward()
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("returned", ["input", "parameter", "parameter view"])
+def test_a_kept_call_may_return_what_the_region_holds_anyway(returned: str) -> None:
+    """An input or a parameter comes back as the very object, which the
+    region's hooks tell by identity: the recompute saves what the forward did."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    pick = {
+        "input": lambda x: x,
+        "parameter": lambda x: model.weight,
+        "parameter view": lambda x: model.weight.t(),
+    }[returned]
+
+    def block(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        w = seqckpt.keep(pick, x)
+        y = m(x) @ w if w.shape == (8, 8) else m(x) * w  # (both save w itself)
+        return y.tanh() * w.sum()
+
+    x = torch.randn(4, 8, requires_grad=True)
+    expected = torch.autograd.grad(block(model, x).sum(), (x, model.weight))
+    got = torch.autograd.grad(
+        seqckpt.checkpoint(block, model, x).sum(), (x, model.weight)
+    )
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
