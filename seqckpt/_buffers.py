@@ -465,10 +465,29 @@ def _copy(b: torch.Tensor) -> torch.Tensor:
 
 def _assign(tensor: torch.Tensor, values: torch.Tensor) -> None:
     """Give ``tensor`` the shape and values of ``values`` in place (an
-    observer's per-channel min/max start empty and are resized on first use)."""
+    observer's per-channel min/max start empty and are resized on first use),
+    leaving its version counter where it was: the guard's writes are undone
+    by the guard before backward reads anything, and a buffer that an op
+    outside the region's hooks saved (the same batch norm called outside a
+    region too, or inside a seqckpt.keep call) would otherwise fail autograd's
+    check that it was not modified in place."""
+    version = tensor._version
     if tensor.shape != values.shape:
         tensor.resize_(values.shape)
     tensor.copy_(values)
+    _set_version(tensor, version)
+
+
+def _set_version(tensor: torch.Tensor, version: int) -> None:
+    try:
+        _SET_VERSIONS((tensor,), (version,))
+    except TypeError:  # torch before 2.4 takes one tensor
+        _SET_VERSIONS(tensor, version)
+
+
+_SET_VERSIONS: Any = getattr(
+    torch._C._autograd, "_unsafe_set_version_counter", lambda *args: None
+)
 
 
 def _held(module: nn.Module, name: str) -> torch.Tensor | None:

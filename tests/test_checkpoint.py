@@ -994,6 +994,35 @@ def test_buffers_updated_once_and_recompute_sees_first_values() -> None:
     assert_matches_plain(model, x, through_global(run_global_in_loop))
 
 
+def test_a_batch_norm_called_outside_the_region_too() -> None:
+    """The op outside the region saves the running statistics without hooks,
+    so autograd checks their version in backward; the recompute's writes of
+    the first-run values, and of the caller's after it, used to move it:
+    "modified by an inplace operation", where the plain run and torch's
+    checkpoint train."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bn, self.out = (
+                nn.Linear(4, 4),
+                nn.BatchNorm1d(4),
+                nn.Linear(4, 4),
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.bn(self.lin(x))  # a plain call
+            return checkpoint(lambda t: self.out(self.bn(t)).tanh(), h)
+
+    def plain(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m.out(m.bn(m.bn(m.lin(x)))).tanh()  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    assert_matches_plain(
+        Shared(), torch.randn(5, 4, requires_grad=True), lambda m, x: m(x), plain
+    )
+
+
 GLOBAL_MODEL: nn.Module | None = None
 
 
