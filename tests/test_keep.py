@@ -15,8 +15,8 @@ from torch import nn
 import seqckpt
 from seqckpt.memory import track_memory
 from seqckpt.planner.frontier import TORCH_SAC
-from tests.counting import OpCounter
 from seqckpt.policies import COMPUTE_HEAVY
+from tests.counting import OpCounter
 from tests.oracle import assert_matches_plain
 from tests.test_robustness import chains, plans
 
