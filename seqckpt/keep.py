@@ -26,6 +26,7 @@ way and cannot be set aside, the call is kept but always run again.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -108,7 +109,14 @@ def keep(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         return function(*args, **kwargs)
     running = RUNNING.get()
     if running is None:
-        return function(*args, **kwargs)
+        noted = REPORTING.get()
+        if noted is None:
+            return function(*args, **kwargs)
+        # seqckpt.what_is_kept runs the function as a region's forward: the
+        # call is kept whole there, so its ops are not the policy's to keep
+        noted.append(_label(function))
+        with _own_modes_lifted():
+            return function(*args, **kwargs)
     region, _, first = running
     calls = region.kept_calls
     if first:
@@ -118,6 +126,26 @@ def keep(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     if calls is None:  # (the forward made no such call)
         return _run_lifted(region, function, args, kwargs)
     return calls.serve(region, function, args, kwargs)
+
+
+# While seqckpt.what_is_kept runs a function: the calls kept whole, by name.
+REPORTING: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "seqckpt_kept_calls_reported", default=None
+)
+
+
+def _label(function: Callable[..., Any]) -> str:
+    """What a report calls a kept call: a module's class, a method's name."""
+    if isinstance(function, functools.partial):
+        return _label(function.func)
+    owner = getattr(function, "__self__", None)
+    if isinstance(owner, nn.Module):
+        name = getattr(function, "__name__", "forward")
+        return type(owner).__name__ + ("" if name == "forward" else f".{name}")
+    if isinstance(function, (nn.Module, KeptForward)):
+        module = function.module if isinstance(function, KeptForward) else function
+        return type(module).__name__
+    return getattr(function, "__qualname__", None) or type(function).__name__
 
 
 class KeptCalls:

@@ -21,6 +21,7 @@ import torch
 from seqckpt import _state
 from seqckpt._buffers import modules_of
 from seqckpt._tree import storages_in, tensors_in
+from seqckpt.keep import REPORTING
 from seqckpt.planner.profile import sandbox
 from seqckpt.policies import Keeping, Kept, Policy, as_policy, naming, uncounted_op
 
@@ -67,6 +68,8 @@ class KeptReport:
             tensor backward needs is back).
         kept_bytes: bytes the kept outputs hold, each storage counted once (a
             kept view and its kept base share one), as :attr:`KeptOutput.nbytes`.
+        kept_whole: the calls :func:`seqckpt.keep` keeps whole, in order
+            (their ops are neither the policy's to keep nor recomputed).
     """
 
     policy: Policy
@@ -74,6 +77,7 @@ class KeptReport:
     ops: int
     recomputed: dict[str, int]
     kept_bytes: int
+    kept_whole: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         rows = [("place", "op", "call", "shape", "dtype", "KiB", "name")]
@@ -103,6 +107,12 @@ class KeptReport:
             ]
         recomputed = ", ".join(f"{op} x{n}" for op, n in self.recomputed.items())
         lines.append(f"recomputed in backward (at most): {recomputed or 'nothing'}")
+        if self.kept_whole:
+            calls = ", ".join(
+                f"{name} x{n}"
+                for name, n in collections.Counter(self.kept_whole).items()
+            )
+            lines.append(f"kept whole by seqckpt.keep (not recomputed): {calls}")
         return "\n".join(line.rstrip() for line in lines)
 
 
@@ -167,6 +177,8 @@ def what_is_kept(
     mode = _Recording(resolved, Kept())
     devices = _state.accelerator_devices(tensors_in((args, kwargs)))
     phase = _state.begin(_state.CHECKPOINTING)
+    kept_whole: list[str] = []
+    reporting = REPORTING.set(kept_whole)
     try:
         with sandbox(devices), torch.enable_grad(), contextlib.ExitStack() as stack:
             stack.enter_context(mode)
@@ -174,6 +186,7 @@ def what_is_kept(
                 stack.enter_context(naming(mode, resolved.names))
             function(*args, **kwargs)
     finally:
+        REPORTING.reset(reporting)
         _state.end(_state.CHECKPOINTING, phase)
     entries = mode.kept.entries
     alive = set(storages_in((args, kwargs)))  # held anyway: inputs, parameters...
@@ -208,4 +221,5 @@ def what_is_kept(
         len(mode.ran),
         dict(recomputed),
         new_bytes([out for out, _, _ in entries.values()]),
+        tuple(kept_whole),
     )

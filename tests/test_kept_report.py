@@ -135,3 +135,24 @@ def test_ops_returning_lists_and_numbers_are_listed() -> None:
     assert by_op["aten::split"].shapes == ((3, 2), (3, 2))
     assert by_op["aten::_local_scalar_dense"].dtype is None  # .item(): a number
     assert "aten::_local_scalar_dense" in str(report)
+
+
+def test_calls_kept_whole_are_reported_and_not_the_policys() -> None:
+    """A seqckpt.keep call inside the function: its ops are neither kept by
+    the policy nor recomputed, in the report as in the region."""
+    block, x = block_and_input("gpt")
+
+    def keeping(t: torch.Tensor) -> torch.Tensor:
+        t = t + seqckpt.keep(block.attention, t)
+        return t + block.down(torch.nn.functional.gelu(block.up(block.norm2(t))))
+
+    report = seqckpt.what_is_kept(keeping, x, policy="compute_heavy")
+    assert report.kept_whole == ("GPTBlock.attention",)
+    assert "kept whole by seqckpt.keep (not recomputed): GPTBlock.attention x1" in str(
+        report
+    )
+    assert len(report.outputs) == 2  # the MLP's two matmuls
+    out = seqckpt.checkpoint(keeping, x, policy="compute_heavy", early_stop=False)
+    with RecomputedOps() as mode:
+        out.sum().backward()
+    assert dict(mode.ran) == report.recomputed
