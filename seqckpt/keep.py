@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import (
     _pop_mode_temporarily,
 )
 
-from seqckpt._region import RUNNING, _is_parameter, _OpLog, _versions
+from seqckpt._region import RUNNING, _is_parameter, _name, _OpLog, _versions
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Serving
 
@@ -135,17 +135,15 @@ REPORTING: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
 
 
 def _label(function: Callable[..., Any]) -> str:
-    """What a report calls a kept call: a module's class, a method's name."""
-    if isinstance(function, functools.partial):
-        return _label(function.func)
-    owner = getattr(function, "__self__", None)
-    if isinstance(owner, nn.Module):
-        name = getattr(function, "__name__", "forward")
-        return type(owner).__name__ + ("" if name == "forward" else f".{name}")
-    if isinstance(function, (nn.Module, KeptForward)):
-        module = function.module if isinstance(function, KeptForward) else function
-        return type(module).__name__
-    return getattr(function, "__qualname__", None) or type(function).__name__
+    """What a report calls a kept call: as errors call a region's function,
+    with the method's name where it is not a module's forward."""
+    method = getattr(function, "__name__", "forward")
+    if (
+        isinstance(getattr(function, "__self__", None), nn.Module)
+        and method != "forward"
+    ):
+        return f"{_name(function)}.{method}"
+    return _name(function)
 
 
 class KeptCalls:
