@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import (
 )
 
 from seqckpt._region import RUNNING, _is_parameter, _name, _OpLog, _versions
+from seqckpt._state import wait_for_streams
 from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.policies import Keeping, Serving
 
@@ -215,6 +216,8 @@ class KeptCalls:
             identity, out, versions, serve_as, rng = entry
             held = tensors_in(out)
             if identity == _identity(function) and versions == _versions(held):
+                if region.streams:  # made on the forward's stream, used here
+                    wait_for_streams(region.streams, held)
                 if rng is not None:
                     rng.restore()
                 # fresh leaves: the recompute's graph is thrown away, and ops

@@ -390,3 +390,28 @@ def test_random_chains_with_kept_layers_match_plain(
         x,
         lambda m, t: seqckpt.checkpoint_sequential(m, plan, t, determinism_check=check),
     )
+
+
+@pytest.mark.cuda
+def test_cuda_kept_call_with_backward_on_another_stream() -> None:
+    torch.manual_seed(0)
+    model = blocks().cuda()
+    x = torch.randn(8, 5, 16, device="cuda", requires_grad=True)
+    forward_stream, backward_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def run(use: bool) -> list[torch.Tensor]:
+        x.grad = None
+        model.zero_grad()
+        torch.manual_seed(1)
+        forward_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(forward_stream):
+            y = seqckpt.checkpoint(model, x * 2) if use else model(x * 2)
+        backward_stream.wait_stream(forward_stream)
+        with torch.cuda.stream(backward_stream):
+            y.sum().backward()
+        torch.cuda.current_stream().wait_stream(backward_stream)
+        torch.cuda.synchronize()
+        return [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
