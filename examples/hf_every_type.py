@@ -19,6 +19,7 @@ Usage (with transformers installed)::
     python examples/hf_every_type.py                      # both tasks, default policy
     python examples/hf_every_type.py --policies none,compute_heavy,values
     python examples/hf_every_type.py --task image-classification --only vit,swin
+    python examples/hf_every_type.py --policies keep_attention   # seqckpt.keep
 
 Exits 1 if any model that trains plainly fails with seqckpt.
 """
@@ -40,6 +41,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+import seqckpt
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_sweep import POLICIES, UnderReplacement  # noqa: E402
@@ -128,8 +131,33 @@ def _torch_switch(model: nn.Module) -> nn.Module:
     return model
 
 
+# Not a policy: every attention module kept whole in its layer's region
+# (seqckpt.keep), the rest of the layer recomputed.
+KEEP_ATTENTION = "keep_attention"
+
+
+def keep_attention(model: nn.Module) -> int:
+    """Give every outermost module whose class name ends in ``Attention`` a
+    :class:`seqckpt.KeptForward`; returns how many."""
+    kept: list[nn.Module] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Attention") and not any(
+            module in set(k.modules()) for k in kept
+        ):
+            module.forward = seqckpt.KeptForward(module)  # type: ignore[method-assign]
+            kept.append(module)
+    KEPT.append(len(kept))
+    return len(kept)
+
+
+KEPT: list[int] = []  # how many keep_attention kept, per model it was given
+
+
 def _seqckpt_switch(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     def switch(model: nn.Module) -> nn.Module:
+        if options.get(KEEP_ATTENTION):
+            options.pop(KEEP_ATTENTION)
+            keep_attention(model)
         use_seqckpt(model, **options)
         if not any(
             getattr(m, "gradient_checkpointing", False) for m in model.modules()
@@ -171,14 +199,19 @@ def run_one(task: str, name: str, policy: str) -> dict[str, Any]:
     except Exception as error:  # torch's verdict is reported, not judged
         result["torch"] = f"{type(error).__name__}: {error}"
     try:
+        options = (
+            {KEEP_ATTENTION: True} if policy == KEEP_ATTENTION else POLICIES[policy]
+        )
         plain, checkpointed = compare(
-            build, inputs, _seqckpt_switch(POLICIES[policy]), _loss
+            build, inputs, _seqckpt_switch(dict(options)), _loss
         )
     except Exception as error:
         why = f"{type(error).__name__}: {error}"
         if isinstance(error, MemoryError) or "can't allocate memory" in why:
             return {**result, "status": "skipped", "why": f"over the memory cap: {why}"}
         return {**result, "status": "FAILED", "why": why}
+    if KEPT:
+        result["kept"] = KEPT[-1]
     return {**result, "status": "bitwise", "peaks": [plain, checkpointed]}
 
 
@@ -202,9 +235,10 @@ def _report(r: dict[str, Any]) -> str:
     if r["status"] == "bitwise":
         plain, ckpt = r["peaks"]
         torch_word = "bitwise" if r["torch"] == "bitwise" else f"DIFFERS ({r['torch']})"
+        kept = f" ({r['kept']} attention modules kept)" if "kept" in r else ""
         return (
             f"{head} bitwise equal, peak {plain / 2**20:6.2f} -> {ckpt / 2**20:6.2f} "
-            f"MiB; torch's checkpoint: {torch_word}"
+            f"MiB{kept}; torch's checkpoint: {torch_word}"
         )
     return f"{head} {r['status']}: {' '.join(r['why'].split())[:160]}"
 
@@ -212,7 +246,11 @@ def _report(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default=",".join(TASKS), help="comma-separated")
-    parser.add_argument("--policies", default="none", help=f"of {', '.join(POLICIES)}")
+    parser.add_argument(
+        "--policies",
+        default="none",
+        help=f"of {', '.join(POLICIES)}, or {KEEP_ATTENTION} (attention kept whole)",
+    )
     parser.add_argument("--only", default="", help="comma-separated model types")
     parser.add_argument("--jobs", type=int, default=2, help="processes at once")
     parser.add_argument("--timeout", type=float, default=300.0, help="s per model")
@@ -228,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in args.policies.split(",") if p]
     for word, chosen, known in (
         ("--task", tasks, TASKS),
-        ("--policies", policies, POLICIES),
+        ("--policies", policies, [*POLICIES, KEEP_ATTENTION]),
     ):
         unknown = [c for c in chosen if c not in known]
         if unknown:
