@@ -120,6 +120,13 @@ class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
 
 
 def _op_difference(forward: list[str], recompute: list[str]) -> str:
+    if forward == recompute:
+        return (
+            "\nseqckpt debug: You are seeing this error because you passed "
+            "`debug=True` to checkpoint (or torch's set_checkpoint_debug_enabled(True) "
+            f"is on). The forward and the recompute ran the same {len(forward)} "
+            "ops, so the difference is in what they computed, not in which ops ran."
+        )
     at = next(
         (i for i, (a, b) in enumerate(zip(forward, recompute, strict=False)) if a != b),
         min(len(forward), len(recompute)),

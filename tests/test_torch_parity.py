@@ -1064,3 +1064,19 @@ def test_functional_call_buffers_are_the_ones_recomputed_with(mode: str) -> None
     for a, b in zip(ours, plain, strict=True):
         assert all(torch.equal(u, v) for u, v in zip(a, b, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(body.buffers(), own, strict=True))
+
+
+def test_debug_says_when_both_runs_ran_the_same_ops() -> None:
+    """A values difference ("values" check) with identical op logs: the message
+    said the logs "first differ at op #N", N being their length."""
+    state = {"scale": 1.0}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (x * state["scale"]).sin()
+
+    x = torch.randn(4, requires_grad=True)
+    y = seqckpt.checkpoint(fn, x, determinism_check="values", debug=True)
+    state["scale"] = 2.0  # the recompute computes other values with the same ops
+    with pytest.raises(CheckpointError, match="ran the same 2 ops") as info:
+        y.sum().backward()
+    assert "first differ" not in str(info.value)
