@@ -371,7 +371,7 @@ def keep_modules(model: nn.Module, *names: str) -> list[str]:
         if hits and qualified:
             matched.update(hits)
             if not isinstance(module.__dict__.get("forward"), KeptForward):
-                module.forward = KeptForward(module)  # type: ignore[method-assign]
+                _give_kept_forward(module)
             found.append(qualified)
     missing = [n for n in names if n not in matched]
     if missing:
@@ -383,3 +383,32 @@ def keep_modules(model: nn.Module, *names: str) -> list[str]:
             "Give a name (or the dotted end of one) from model.named_modules()."
         )
     return found
+
+
+def _give_kept_forward(module: nn.Module) -> None:
+    module.forward = KeptForward(module)  # type: ignore[method-assign]
+    if isinstance(module, torch.jit.ScriptModule):
+        return  # compiled already; TorchScript replicates it its own way
+    # torch.jit.script asks this first: it compiles the module's own forward
+    # (seqckpt.keep has no meaning in TorchScript) and the keep is taken off
+    module.__prepare_scriptable__ = functools.partial(  # type: ignore[assignment]
+        _without_kept_forward, module
+    )
+    # DataParallel's replicas copy the module's attributes: each must get a
+    # forward that runs the replica, not the module
+    module._replicate_for_data_parallel = functools.partial(  # type: ignore[method-assign]
+        _replicate, module
+    )
+
+
+def _without_kept_forward(module: nn.Module) -> nn.Module:
+    for name in ("forward", "__prepare_scriptable__", "_replicate_for_data_parallel"):
+        module.__dict__.pop(name, None)
+    return module
+
+
+def _replicate(module: nn.Module) -> nn.Module:
+    """``module``'s replica for ``nn.DataParallel``, kept like it."""
+    replica: nn.Module = nn.Module._replicate_for_data_parallel(module)  # type: ignore[no-untyped-call]
+    _give_kept_forward(replica)
+    return replica

@@ -415,3 +415,35 @@ def test_cuda_kept_call_with_backward_on_another_stream() -> None:
 
     for a, b in zip(run(True), run(False), strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_kept_modules_replicate_and_script() -> None:
+    """DataParallel's replicas copy a module's attributes: each replica's
+    kept forward runs the replica. torch.jit.script compiles a kept module's
+    own forward (keep means nothing there); a scripted module can be kept."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(), Layer())
+    seqckpt.keep_modules(model, "branch")
+    replica = model[0].branch._replicate_for_data_parallel()
+    assert replica.forward.module is replica
+    again = replica._replicate_for_data_parallel()
+    assert again.forward.module is again
+
+    chain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    seqckpt.keep_modules(chain, "0")
+    x = torch.randn(2, 4)
+    assert torch.equal(torch.jit.script(chain)(x), chain(x))
+
+    def scripted() -> nn.Module:
+        torch.manual_seed(0)
+        inner = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+        model = nn.Sequential(inner, nn.Linear(4, 4), nn.GELU())
+        seqckpt.keep_modules(model, "0")
+        return model
+
+    x = torch.randn(3, 4, requires_grad=True)
+    assert_matches_plain(scripted, x, lambda m, x: seqckpt.checkpoint(m, x))
+    out = seqckpt.checkpoint(scripted(), x)
+    with OpCounter() as counter:
+        out.sum().backward()
+    assert counter.counts.get("tanh", 0) == 0  # the scripted part was kept
