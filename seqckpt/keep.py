@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import types
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -242,12 +243,16 @@ _Entry = tuple[Any, Any, list[int], list[bool | None], "RngState | None"] | None
 
 def _identity(function: Callable[..., Any]) -> Any:
     """What tells one kept call's function from another's across the two
-    passes: a bound method or a partial is made anew on each call."""
+    passes: a bound method, a partial, a lambda or a nested function is made
+    anew on each call (a function by its code, what it closes over being the
+    replay's own)."""
     if isinstance(function, functools.partial):
         return (_identity(function.func), len(function.args), tuple(function.keywords))
     owner = getattr(function, "__self__", None)
     if owner is not None and hasattr(function, "__func__"):
         return (function.__func__, id(owner))  # type: ignore[attr-defined]
+    if isinstance(function, types.FunctionType):
+        return function.__code__
     return function
 
 

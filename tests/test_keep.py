@@ -137,16 +137,26 @@ def test_kept_calls_hold_what_they_save_and_nothing_else() -> None:
 
 
 def test_the_call_keeps_what_it_returns_and_gets_its_keywords() -> None:
+    ran = []
+
     def block(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         a, b = seqckpt.keep(torch.chunk, x.sin(), 2, dim=-1)
-        c = seqckpt.keep(lambda t, s: {"value": t * s, "label": "kept"}, a, s=scale)
+
+        def scaled(t: torch.Tensor, s: torch.Tensor) -> dict[str, Any]:
+            ran.append(1)  # a nested function, made anew in the recompute
+            return {"value": t * s, "label": "kept"}
+
+        c = seqckpt.keep(scaled, a, s=scale)
         assert c["label"] == "kept"
-        return (c["value"] * b).cos()
+        d = seqckpt.keep(lambda t: t.exp(), c["value"])  # a lambda too
+        return (d * b).cos()
 
     x = torch.randn(4, 6, requires_grad=True)
     scale = torch.randn(3, requires_grad=True)
     expected = torch.autograd.grad(block(x, scale).sum(), (x, scale))
+    ran.clear()
     got = torch.autograd.grad(seqckpt.checkpoint(block, x, scale).sum(), (x, scale))
+    assert len(ran) == 1  # served in the recompute, not run again
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
 
