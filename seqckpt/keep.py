@@ -301,7 +301,9 @@ class KeptForward:
     ``forward`` (:func:`keep_modules` does it), so every call of the module
     inside a seqckpt region is kept whole there, and a plain call elsewhere.
     The module keeps its place, name and ``state_dict`` keys; its hooks run
-    around the kept call, once per call.
+    around the kept call (in a recompute too, as every module's do). Prefer
+    :func:`keep_modules`, which also gives DataParallel replicas their own
+    and lets ``torch.jit.script`` compile the module's forward.
 
     Example:
         >>> import torch, seqckpt
