@@ -37,7 +37,7 @@ import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
 from seqckpt._buffers import COPY_LIMIT
 from seqckpt.planner import Plan, PlanError, Recompute, Run
-from seqckpt.policies import Policy
+from seqckpt.policies import COMPUTE_HEAVY, Policy
 from tests.oracle import assert_matches_plain
 
 # ------------------------------------------------------------ random chains
@@ -300,6 +300,31 @@ def test_random_chains_and_segments_match_plain(
         data.draw(st.integers(2, 6)), width, requires_grad=data.draw(st.booleans())
     )
     assert_matches_plain(model, x, lambda m, t: checkpoint_sequential(m, segments, t))
+
+
+@settings(max_examples=40, deadline=None)
+@given(chains(), st.data())
+def test_random_chains_with_shared_layers_match_plain(
+    case: tuple[nn.Sequential, int], data: st.DataObject
+) -> None:
+    """A layer applied at several places of the chain (ALBERT's shared layer,
+    a block reused), in one region or in several, under a random nested plan
+    whose stretches keep nothing or the compute-heavy ops: buffers updated
+    as often as in the plain run, each region's recompute seeing its own
+    first values."""
+    model, width = case
+    items = list(model)
+    singles = [m for m in items if not isinstance(m, Split | Join)]
+    for _ in range(data.draw(st.integers(1, 4))):
+        shared = data.draw(st.sampled_from(singles))
+        at = data.draw(st.integers(0, len(items)))
+        opened = sum(isinstance(i, Split) for i in items[:at])
+        if opened == sum(isinstance(i, Join) for i in items[:at]):  # not in a pair
+            items.insert(at, shared)
+    chain = nn.Sequential(*items)
+    plan = data.draw(plans(0, len(chain), policies=(None, COMPUTE_HEAVY)))
+    x = torch.randn(3, width, requires_grad=data.draw(st.booleans()))
+    assert_matches_plain(chain, x, lambda m, t: checkpoint_sequential(m, plan, t))
 
 
 # ------------------------------------------------------------------ threads
