@@ -334,62 +334,96 @@ class KeptForward:
         return f"KeptForward({type(self.module).__name__})"
 
 
-def keep_modules(model: nn.Module, *names: str) -> list[str]:
-    """Make every submodule of ``model`` with one of ``names`` run through
-    :func:`keep`, in place: inside a seqckpt region (however the region is
-    made: ``seqckpt.checkpoint``, HF's switch given seqckpt's function,
-    :func:`~seqckpt.checkpoint_blocks`, ``replace_torch_checkpoint``) what it
-    saves is kept and the recompute does not run it again; elsewhere it runs
-    as before. This is how to keep, say, every attention of a model whose
-    code you do not want to edit.
+def keep_modules(model: nn.Module, *names: str | type[nn.Module]) -> list[str]:
+    """Make every submodule of ``model`` with one of ``names`` (or of one of
+    the classes given) run through :func:`keep`, in place: inside a seqckpt
+    region (however the region is made: ``seqckpt.checkpoint``, HF's switch
+    given seqckpt's function, :func:`~seqckpt.checkpoint_blocks`,
+    ``replace_torch_checkpoint``) what it saves is kept and the recompute does
+    not run it again; elsewhere it runs as before. This is how to keep, say,
+    every attention of a model whose code you do not want to edit.
 
     A name matches a submodule whose qualified name is it or ends with it
     after a dot: ``"self_attn"`` matches ``model.layers.0.self_attn`` in every
-    layer, ``"mlp.down_proj"`` each MLP's output projection.
+    layer, ``"mlp.down_proj"`` each MLP's output projection. A class matches
+    its instances (``LlamaAttention``, whatever the attribute is called).
 
     Args:
         model: any module.
-        *names: one or more names (or dotted ends of names) of submodules.
+        *names: one or more names (or dotted ends of names) of submodules, or
+            ``nn.Module`` subclasses.
 
     Returns:
         The qualified names of the submodules now kept, in ``model``'s order.
 
     Raises:
-        ValueError: no name given, or a name that matches no submodule (the
-            message lists the names the model's submodules end with).
+        ValueError: nothing given, or a name or class that matches no
+            submodule (the message lists what the model's submodules are
+            called).
 
     Example:
         >>> import torch, seqckpt
         >>> layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
         >>> seqckpt.keep_modules(layer, "self_attn")
         ['self_attn']
+        >>> seqckpt.keep_modules(layer, torch.nn.Dropout)
+        ['dropout', 'dropout1', 'dropout2']
         >>> x = torch.randn(2, 5, 16, requires_grad=True)
         >>> seqckpt.checkpoint(layer, x).sum().backward()  # attention not recomputed
     """
     if not names:
         raise ValueError(
-            "seqckpt: keep_modules() needs at least one submodule name, e.g. "
-            'seqckpt.keep_modules(model, "self_attn").'
+            "seqckpt: keep_modules() needs at least one submodule name or class, "
+            'e.g. seqckpt.keep_modules(model, "self_attn").'
         )
+    for name in names:
+        if not (
+            isinstance(name, str)
+            or (isinstance(name, type) and issubclass(name, nn.Module))
+        ):
+            raise TypeError(
+                "seqckpt: keep_modules() takes submodule names and nn.Module "
+                f"classes, got {name!r} of type {type(name).__name__}."
+            )
     found: list[str] = []
-    matched: set[str] = set()
+    matched: set[str | type[nn.Module]] = set()
     for qualified, module in model.named_modules():
-        hits = [n for n in names if qualified == n or qualified.endswith("." + n)]
-        if hits and qualified:
+        if not qualified:  # (the model itself)
+            continue
+        hits = [n for n in names if _matches(n, qualified, module)]
+        if hits:
             matched.update(hits)
             if not isinstance(module.__dict__.get("forward"), KeptForward):
                 _give_kept_forward(module)
             found.append(qualified)
     missing = [n for n in names if n not in matched]
     if missing:
-        ends = sorted({q.rsplit(".", 1)[-1] for q, _ in model.named_modules() if q})
+        what, listed = (
+            (
+                f"named {missing[0]!r}",
+                {q.rsplit(".", 1)[-1] for q, _ in model.named_modules()},
+            )
+            if isinstance(missing[0], str)
+            else (
+                f"of class {missing[0].__name__}",
+                {type(m).__name__ for m in model.modules()},
+            )
+        )
+        ends = sorted(listed - {""})
         shown = ", ".join(ends[:20]) + (", ..." if len(ends) > 20 else "")
         raise ValueError(
-            f"seqckpt: keep_modules() found no submodule named {missing[0]!r} in "
-            f"{type(model).__name__}; its submodules' names end in: {shown}. "
-            "Give a name (or the dotted end of one) from model.named_modules()."
+            f"seqckpt: keep_modules() found no submodule {what} in "
+            f"{type(model).__name__}; its submodules are called: {shown}. "
+            "Give a name (or the dotted end of one) from model.named_modules(), "
+            "or a class of one of them."
         )
     return found
+
+
+def _matches(name: str | type[nn.Module], qualified: str, module: nn.Module) -> bool:
+    if isinstance(name, str):
+        return qualified == name or qualified.endswith("." + name)
+    return isinstance(module, name)
 
 
 def _give_kept_forward(module: nn.Module) -> None:

@@ -293,12 +293,27 @@ def test_keep_modules_on_torchs_transformer_layer() -> None:
     )
 
 
+def test_keep_modules_by_class() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(), Layer())
+    assert seqckpt.keep_modules(model, Counted) == ["0.branch", "1.branch"]
+    x = torch.randn(4, 16, requires_grad=True)
+    seqckpt.checkpoint_sequential(model, 2, x).sum().backward()
+    assert [layer.branch.calls for layer in model] == [1, 1]
+
+
 def test_keep_modules_names_what_it_did_not_find() -> None:
     model = nn.Sequential(Layer())
     with pytest.raises(ValueError, match=r"no submodule named 'attn'.*branch.*mlp"):
         seqckpt.keep_modules(model, "branch", "attn")
+    with pytest.raises(
+        ValueError, match=r"no submodule of class Conv2d.*Counted.*Linear"
+    ):
+        seqckpt.keep_modules(model, nn.Conv2d)
     with pytest.raises(ValueError, match="at least one submodule name"):
         seqckpt.keep_modules(model)
+    with pytest.raises(TypeError, match="takes submodule names and nn.Module classes"):
+        seqckpt.keep_modules(model, 3)  # type: ignore[arg-type]
 
 
 def test_a_kept_module_copies_with_its_model() -> None:
