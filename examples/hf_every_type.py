@@ -153,10 +153,11 @@ def keep_attention(model: nn.Module) -> int:
 KEPT: list[int] = []  # how many keep_attention kept, per model it was given
 
 
-def _seqckpt_switch(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
+def _seqckpt_switch(
+    options: dict[str, Any], keep: bool = False
+) -> Callable[[nn.Module], nn.Module]:
     def switch(model: nn.Module) -> nn.Module:
-        if options.get(KEEP_ATTENTION):
-            options.pop(KEEP_ATTENTION)
+        if keep:
             keep_attention(model)
         use_seqckpt(model, **options)
         if not any(
@@ -199,12 +200,9 @@ def run_one(task: str, name: str, policy: str) -> dict[str, Any]:
     except Exception as error:  # torch's verdict is reported, not judged
         result["torch"] = f"{type(error).__name__}: {error}"
     try:
-        options = (
-            {KEEP_ATTENTION: True} if policy == KEEP_ATTENTION else POLICIES[policy]
-        )
-        plain, checkpointed = compare(
-            build, inputs, _seqckpt_switch(dict(options)), _loss
-        )
+        keep = policy == KEEP_ATTENTION
+        switch = _seqckpt_switch({} if keep else POLICIES[policy], keep)
+        plain, checkpointed = compare(build, inputs, switch, _loss)
     except Exception as error:
         why = f"{type(error).__name__}: {error}"
         if isinstance(error, MemoryError) or "can't allocate memory" in why:

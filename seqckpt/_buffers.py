@@ -481,7 +481,7 @@ def _assign(tensor: torch.Tensor, values: torch.Tensor) -> None:
 def _set_version(tensor: torch.Tensor, version: int) -> None:
     try:
         _SET_VERSIONS((tensor,), (version,))
-    except TypeError:  # torch before 2.4 takes one tensor
+    except TypeError:  # (older torch takes one tensor and one int)
         _SET_VERSIONS(tensor, version)
 
 
