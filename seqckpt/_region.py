@@ -119,23 +119,26 @@ class _OpLog(TorchDispatchMode):  # type: ignore[no-untyped-call,misc]
         return func(*args, **(kwargs or {}))
 
 
+_DEBUG_HEAD = (
+    "\nseqckpt debug: You are seeing this error because you passed "
+    "`debug=True` to checkpoint (or torch's set_checkpoint_debug_enabled(True) "
+    "is on). "
+)
+
+
 def _op_difference(forward: list[str], recompute: list[str]) -> str:
     if forward == recompute:
-        return (
-            "\nseqckpt debug: You are seeing this error because you passed "
-            "`debug=True` to checkpoint (or torch's set_checkpoint_debug_enabled(True) "
-            f"is on). The forward and the recompute ran the same {len(forward)} "
-            "ops, so the difference is in what they computed, not in which ops ran."
+        return _DEBUG_HEAD + (
+            f"The forward and the recompute ran the same {len(forward)} ops, so "
+            "the difference is in what they computed, not in which ops ran."
         )
     at = next(
         (i for i, (a, b) in enumerate(zip(forward, recompute, strict=False)) if a != b),
         min(len(forward), len(recompute)),
     )
     window = slice(max(0, at - 3), at + 3)
-    return (
-        "\nseqckpt debug: You are seeing this error because you passed "
-        "`debug=True` to checkpoint (or torch's set_checkpoint_debug_enabled(True) "
-        f"is on). The forward ran {len(forward)} ops, the recompute "
+    return _DEBUG_HEAD + (
+        f"The forward ran {len(forward)} ops, the recompute "
         f"{len(recompute)}; they first differ at op #{at}.\n"
         f"  forward   ops #{window.start}..: {', '.join(forward[window]) or '-'}\n"
         f"  recompute ops #{window.start}..: {', '.join(recompute[window]) or '-'}"
