@@ -348,7 +348,7 @@ def _give_checkpointed_forward(
         # swapped stack is scripted without it (CheckpointedSequential scripts
         # to its plain forward); one of a looped-over list is refused.
         prepare: Callable[[], Any] = (
-            functools.partial(_without_checkpointed_forward, block)
+            functools.partial(without_own_forward, block)
             if in_sequential
             else functools.partial(_not_scriptable, type(block).__name__)
         )
@@ -400,10 +400,11 @@ def _checked_options(options: dict[str, Any], who: str) -> Options:
     return make_options(**options)
 
 
-def _without_checkpointed_forward(block: nn.Module) -> nn.Module:
-    """``block`` with its class's forward again, for torch.jit.script (which
-    puts what this returns in the block's place, in the Python model too): the
-    stack keeps checkpointing its segments, a loop over it no longer does."""
+def without_own_forward(block: nn.Module) -> nn.Module:
+    """``block`` with its class's forward again (a CheckpointedForward or a
+    seqckpt.KeptForward taken off), for torch.jit.script (which puts what this
+    returns in the block's place, in the Python model too): a stack keeps
+    checkpointing its segments, a loop over it no longer does."""
     for name in ("forward", "__prepare_scriptable__", "_replicate_for_data_parallel"):
         block.__dict__.pop(name, None)
     return block

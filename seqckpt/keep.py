@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import (
 from seqckpt._region import RUNNING, _is_parameter, _name, _OpLog, _versions
 from seqckpt._state import wait_for_streams
 from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.blocks import without_own_forward
 from seqckpt.policies import Keeping, Serving
 
 if TYPE_CHECKING:
@@ -433,19 +434,13 @@ def _give_kept_forward(module: nn.Module) -> None:
     # torch.jit.script asks this first: it compiles the module's own forward
     # (seqckpt.keep has no meaning in TorchScript) and the keep is taken off
     module.__prepare_scriptable__ = functools.partial(  # type: ignore[assignment]
-        _without_kept_forward, module
+        without_own_forward, module
     )
     # DataParallel's replicas copy the module's attributes: each must get a
     # forward that runs the replica, not the module
     module._replicate_for_data_parallel = functools.partial(  # type: ignore[method-assign]
         _replicate, module
     )
-
-
-def _without_kept_forward(module: nn.Module) -> nn.Module:
-    for name in ("forward", "__prepare_scriptable__", "_replicate_for_data_parallel"):
-        module.__dict__.pop(name, None)
-    return module
 
 
 def _replicate(module: nn.Module) -> nn.Module:
