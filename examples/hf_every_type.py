@@ -1,9 +1,11 @@
-"""Every model type the installed HF transformers offers for causal language
-modelling and image classification, each at one generic small config, trained
-one step plainly and one step through HF's own checkpointing switch with
-seqckpt's function, and compared bitwise (outputs, every gradient, every
-buffer; ``real_models.compare``). The same switch with torch's checkpoint is
-run beside it, and its verdict printed for reference.
+"""Every model type the installed HF transformers offers for causal and masked
+language modelling, sequence-to-sequence language modelling, image
+classification, speech recognition (CTC) and audio classification, each at
+one generic small config, trained one step plainly and one step through HF's
+own checkpointing switch with seqckpt's function, and compared bitwise
+(outputs, every gradient, every buffer; ``real_models.compare``). The same
+switch with torch's checkpoint is run beside it, and its verdict printed for
+reference.
 
 A model whose switch does not reach HF's per-layer function (``TimmWrapper``
 hands it to timm's ``set_grad_checkpointing()``, which calls torch's
@@ -16,7 +18,7 @@ reason, and the sweep goes on. Dropout stays on (training mode). Not in CI.
 
 Usage (with transformers installed)::
 
-    python examples/hf_every_type.py                      # both tasks, default policy
+    python examples/hf_every_type.py                      # every task, default policy
     python examples/hf_every_type.py --policies none,compute_heavy,values
     python examples/hf_every_type.py --task image-classification --only vit,swin
     python examples/hf_every_type.py --policies keep_attention   # seqckpt.keep
@@ -51,6 +53,10 @@ from real_models import compare, use_seqckpt  # noqa: E402
 TASKS = {
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
     "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq-lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "ctc": "MODEL_FOR_CTC_MAPPING_NAMES",
+    "audio-classification": "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
 }
 # One small value per size setting, applied wherever a config has an integer
 # attribute of that name (and in its text config or decoder).
@@ -109,9 +115,20 @@ def _case(task: str, name: str) -> tuple[Callable[[], nn.Module], dict[str, Any]
 
     config = shrink(configuration_auto.CONFIG_MAPPING[name]())
     model_class = getattr(transformers, getattr(modeling_auto, TASKS[task])[name])
+    ids = torch.randint(3, 100, (2, 16))
+    inputs: dict[str, Any]
     if task == "causal-lm":
-        ids = torch.randint(3, 100, (2, 16))
-        inputs: dict[str, Any] = {"input_ids": ids, "labels": ids, "use_cache": False}
+        inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    elif task == "masked-lm":
+        inputs = {"input_ids": ids, "labels": ids}
+    elif task == "seq2seq-lm":  # (the decoder's inputs are made from the labels)
+        if getattr(config, "decoder_start_token_id", None) is None:
+            _try_set(config, "decoder_start_token_id", SMALL["decoder_start_token_id"])
+        labels = torch.randint(3, 100, (2, 8))
+        inputs = {"input_ids": ids, "labels": labels, "use_cache": False}
+    elif task in ("ctc", "audio-classification"):  # 1 s of 16 kHz audio
+        labels = torch.randint(3, 10, (2, 3)) if task == "ctc" else torch.tensor([0, 1])
+        inputs = {"input_values": torch.randn(2, 16000), "labels": labels}
     else:
         size = getattr(config, "image_size", 32)
         side = min(size, 64) if isinstance(size, int) else 32  # (some give a pair)

@@ -72,7 +72,7 @@ def _summed(out: Any) -> torch.Tensor:
 
 def torchvision_cases() -> list[Case]:
     import torchvision.models as tvm
-    from torchvision.models import detection, segmentation
+    from torchvision.models import detection, segmentation, video
 
     small = torch.randn(2, 3, 64, 64)
     cases: list[Case] = []
@@ -128,10 +128,39 @@ def torchvision_cases() -> list[Case]:
         "fasterrcnn_mobilenet_v3_large_fpn",
         "retinanet_resnet50_fpn",
         "fcos_resnet50_fpn",
+        "ssdlite320_mobilenet_v3_large",
     ):
         build = functools.partial(_Detector, getattr(detection, name), images, targets)
         cases.append((f"torchvision {name}", build, torch.empty(0), _summed, "vision"))
+    # instance masks and keypoints: heads of their own after the box head
+    masked = [
+        {**t, "masks": _box_mask(t["boxes"][0]), "keypoints": _keypoints(t["boxes"][0])}
+        for t in targets
+    ]
+    for name in ("maskrcnn_resnet50_fpn", "keypointrcnn_resnet50_fpn"):
+        build = functools.partial(_Detector, getattr(detection, name), images, masked)
+        cases.append((f"torchvision {name}", build, torch.empty(0), _summed, "vision"))
+    clips = torch.randn(2, 3, 8, 32, 32)  # (batch, channels, frames, height, width)
+    for name in ("r3d_18", "r2plus1d_18", "mc3_18", "swin3d_t"):
+        build = functools.partial(getattr(video, name), num_classes=5)
+        cases.append((f"torchvision {name} (video)", build, clips, _summed, "vision"))
     return cases
+
+
+def _box_mask(box: torch.Tensor) -> torch.Tensor:
+    """A (1, 128, 128) instance mask filling ``box``."""
+    mask = torch.zeros(1, 128, 128, dtype=torch.uint8)
+    x0, y0, x1, y1 = box.int().tolist()
+    mask[0, y0:y1, x0:x1] = 1
+    return mask
+
+
+def _keypoints(box: torch.Tensor) -> torch.Tensor:
+    """17 visible keypoints (COCO's count) spread over ``box``'s diagonal."""
+    steps = torch.linspace(0.1, 0.9, 17)
+    x = box[0] + steps * (box[2] - box[0])
+    y = box[1] + steps * (box[3] - box[1])
+    return torch.stack([x, y, torch.ones(17)], dim=1)[None]
 
 
 def _prepared_for_qat(name: str) -> nn.Module:
@@ -159,13 +188,9 @@ class _Detector(nn.Module):
         self, build: Callable[..., nn.Module], images: Any, targets: Any
     ) -> None:
         super().__init__()
-        self.model = build(
-            weights=None,
-            weights_backbone=None,
-            num_classes=3,
-            min_size=128,
-            max_size=128,
-        )
+        # (SSD models resize to their own fixed size)
+        sizes = {} if "ssd" in build.__name__ else {"min_size": 128, "max_size": 128}
+        self.model = build(weights=None, weights_backbone=None, num_classes=3, **sizes)
         self.images, self.targets = images, targets
 
     def forward(self, _: torch.Tensor) -> Any:
@@ -390,7 +415,170 @@ def _transformers_other_inputs(T: Any) -> list[Case]:
             else (lambda o: o.logits.float().sum())
         )
         cases.append((f"transformers {name}", build, inputs, loss, "hf"))
-    return cases
+    return cases + _vision_language(T)
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    return out.loss.float()  # type: ignore[no-any-return]
+
+
+def _vision_language(T: Any) -> list[Case]:
+    """Vision-language models (a vision tower and a language model, both
+    checkpointed by HF's switch): Qwen2.5-VL (windowed vision blocks given
+    ``cu_seqlens``), LLaVA (CLIP and Llama) and PaliGemma (SigLIP and Gemma).
+    Four image tokens per sequence stand where the image goes."""
+    if not all(
+        hasattr(T, name)
+        for name in ("Qwen2_5_VLConfig", "LlavaConfig", "PaliGemmaConfig")
+    ):
+        return []
+    text = {
+        "vocab_size": 200, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "attention_dropout": 0.1,
+    }  # fmt: skip
+    tower = {
+        "image_size": 28, "patch_size": 14, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "attention_dropout": 0.1,
+    }  # fmt: skip
+    prompt = torch.randint(3, 100, (2, 16))
+    ids = prompt.clone()
+    ids[:, 2:6] = 150  # the image tokens
+    qwen = T.Qwen2_5_VLConfig(
+        text_config={
+            **text,
+            "rope_parameters": {
+                "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+            },
+        },
+        vision_config={
+            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+            "out_hidden_size": 64, "patch_size": 14, "temporal_patch_size": 2,
+            "spatial_merge_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+        },
+        image_token_id=150, video_token_id=151, vision_start_token_id=152,
+        vision_end_token_id=153,
+    )  # fmt: skip
+    qwen_ids = ids.clone()
+    qwen_ids[:, 1], qwen_ids[:, 6] = 152, 153  # vision start and end around them
+    llava = T.LlavaConfig(
+        text_config={**text, "model_type": "llama"},
+        vision_config={**tower, "model_type": "clip_vision_model", "projection_dim": 32},
+        image_token_id=150, vision_feature_layer=-1,
+    )  # fmt: skip
+    paligemma = T.PaliGemmaConfig(
+        text_config={**text, "model_type": "gemma", "num_key_value_heads": 1, "head_dim": 16},
+        vision_config={**tower, "model_type": "siglip_vision_model"},
+        image_token_id=150, projection_dim=64,
+    )  # fmt: skip
+    pali_ids = prompt.clone()
+    pali_ids[:, :4] = 150  # the image first, then the prompt
+    images = torch.randn(2, 3, 28, 28)
+    return [
+        ("transformers qwen2_5_vl", functools.partial(
+            T.Qwen2_5_VLForConditionalGeneration, qwen),
+         {"input_ids": qwen_ids, "labels": qwen_ids,
+          # a 4 x 4 grid of patches per image, 2 x 2 merged: four tokens
+          "pixel_values": torch.randn(32, 3 * 2 * 14 * 14),
+          "image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]])}, _loss_of, "hf"),
+        ("transformers llava", functools.partial(
+            T.LlavaForConditionalGeneration, llava),
+         {"input_ids": ids, "pixel_values": images, "labels": ids}, _loss_of, "hf"),
+        ("transformers paligemma", functools.partial(
+            T.PaliGemmaForConditionalGeneration, paligemma),
+         {"input_ids": pali_ids, "pixel_values": images, "labels": pali_ids,
+          "token_type_ids": (torch.arange(16) >= 8).long().expand(2, 16)},
+         _loss_of, "hf"),
+    ]  # fmt: skip
+
+
+def peft_cases() -> list[Case]:
+    """PEFT adapters on a small Llama whose base weights are frozen (only the
+    adapters train): LoRA with dropout, DoRA, IA3 and LoHa with module and rank
+    dropout. HF's switch is reached through the PeftModel."""
+    import peft
+    import transformers as T
+
+    config = T.LlamaConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+        max_position_embeddings=64, attention_dropout=0.1,
+    )  # fmt: skip
+    ids = torch.randint(0, 128, (2, 16))
+    adapters = {
+        "lora": lambda: peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.1,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+        ),
+        "dora": lambda: peft.LoraConfig(
+            r=4, lora_dropout=0.1, use_dora=True, target_modules=["q_proj", "v_proj"]
+        ),
+        "ia3": lambda: peft.IA3Config(
+            target_modules=["k_proj", "v_proj", "down_proj"],
+            feedforward_modules=["down_proj"],
+        ),
+        "loha": lambda: peft.LoHaConfig(
+            r=4, module_dropout=0.1, rank_dropout=0.1, target_modules=["q_proj", "v_proj"]
+        ),
+    }  # fmt: skip
+
+    def build(adapter: Callable[[], Any]) -> nn.Module:
+        model: nn.Module = peft.get_peft_model(T.LlamaForCausalLM(config), adapter())
+        return model
+
+    return [
+        (
+            f"peft {name} (llama)",
+            functools.partial(build, adapter),
+            {"input_ids": ids, "labels": ids, "use_cache": False},
+            _loss_of,
+            "hf",
+        )
+        for name, adapter in adapters.items()
+    ]
+
+
+def open_clip_cases() -> list[Case]:
+    """An open_clip CLIP (ViT image tower with patch dropout, text
+    transformer) trained one step on its contrastive loss."""
+    import open_clip
+
+    vision = {
+        "image_size": 32, "layers": 2, "width": 64, "head_width": 32,
+        "patch_size": 8, "mlp_ratio": 2.0, "patch_dropout": 0.25,
+    }  # fmt: skip
+    text = {
+        "context_length": 16,
+        "vocab_size": 100,
+        "width": 64,
+        "heads": 2,
+        "layers": 2,
+    }
+    build = functools.partial(
+        _Contrastive,
+        functools.partial(open_clip.CLIP, 32, vision, text, output_dict=True),
+        torch.randn(2, 3, 32, 32),
+        torch.randint(0, 100, (2, 16)),
+    )
+    return [("open_clip CLIP", build, torch.empty(0), _summed, "vision")]
+
+
+class _Contrastive(nn.Module):
+    """A CLIP-style model with its images and texts fixed, its loss out."""
+
+    def __init__(self, build: Callable[[], nn.Module], images: Any, texts: Any) -> None:
+        import open_clip
+
+        super().__init__()
+        self.model = build()
+        self.images, self.texts = images, texts
+        self.loss = open_clip.ClipLoss()
+
+    def forward(self, _: torch.Tensor) -> Any:
+        out = self.model(self.images, self.texts)
+        return self.loss(
+            out["image_features"], out["text_features"], out["logit_scale"]
+        )
 
 
 class UnderReplacement(nn.Module):
@@ -480,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         ("timm", timm_cases),
         ("transformers", transformers_cases),
         ("diffusers", diffusers_cases),
+        ("peft", peft_cases),
+        ("open_clip", open_clip_cases),
     ):
         if importlib.util.find_spec(package) is None:
             print(f"{package}: not installed, skipped")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +45,9 @@ def compare(
     """Train one step plainly and one with ``convert(model)`` from the same
     weights and RNG seed; assert bitwise equal outputs, gradients and buffers,
     and return both peak bytes (CPU live tensors beyond parameters and their
-    gradients, which are allocated first as in a training loop)."""
+    gradients, which are allocated first as in a training loop). NumPy's
+    global RNG, where NumPy is loaded, is seeded with torch's (HF's speech
+    models draw their SpecAugment masks from it, outside any region)."""
     torch.manual_seed(0)
     plain = build().train()
     checkpointed = convert(copy.deepcopy(plain))
@@ -53,6 +56,8 @@ def compare(
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         torch.manual_seed(1)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(1)
         with seqckpt.track_memory("cpu") as mem:
             out = model(**inputs) if isinstance(inputs, dict) else model(inputs)
             loss(out).backward()

@@ -2,11 +2,13 @@
 
 How it works. The function runs once in forward with autograd on, so the real
 graph is built, but under saved-tensor hooks that replace every tensor autograd
-wants to keep by its index. When backward first needs one of them, the region is
-run again (same RNG, autocast, default device, backend switches, buffers and
-module training modes as the first time) and every tensor it saves is collected
-by index; each node then gets back the tensor it saved the first time (the very
-object, for tensors that do not require grad). The graph that backward walks is
+wants to keep by its index (in a holder the region refers to weakly). When
+backward first needs one of them, the region is run again (same RNG, autocast,
+default device, backend switches, buffers and module training modes as the
+first time) and every tensor it saves is collected by index, except those
+whose holder is gone (the node that saved it was freed unused, as when a
+result computed with grad is detached); each node then gets back the tensor it
+saved the first time (the very object, for tensors that do not require grad). The graph that backward walks is
 the one built in forward, so ``torch.autograd.grad``, ``backward(inputs=...)``,
 parameters that are not inputs, double backward, ``retain_graph`` and a backward
 run *inside* the function behave as without checkpointing, and gradients are
@@ -197,6 +199,7 @@ class _Region:
         "rng",
         "ambient",
         "metas",
+        "holders",
         "prints",
         "recomputed",
         "guard",
@@ -238,8 +241,9 @@ class _Region:
         self.modes = (walked, list(map(_training, walked))) if walked else None
         self.options = options
         self.metas: list[Any] = []
+        self.holders: list[weakref.ref[_Saved]] = []
         self.prints: list[torch.Tensor | None] = []
-        self.recomputed: list[torch.Tensor | None] | None = None
+        self.recomputed: list[torch.Tensor | _Gone | None] | None = None
         self.in_forward = False
         self.recompute_context: AbstractContextManager[Any] | None = None
         self.forward_ops: list[str] | None = None
@@ -407,7 +411,8 @@ class _Region:
             return t  # alive anyway: nothing to drop, nothing to recompute
         if self.input_ids is not None and id(t) in self.input_ids:
             return (t, t._version)  # an input of the region, held anyway
-        index = len(self.metas)
+        holder = _Saved(len(self.metas))
+        self.holders.append(_weak(holder))
         check = self.options.determinism_check
         if check == "none":
             self.metas.append(None)
@@ -419,24 +424,25 @@ class _Region:
                     if self.unfilled and not t.requires_grad
                     else _state.unseen(fingerprint, t)
                 )
-        return index
+        return holder
 
     # ----------------------------------------------------------------- backward
 
-    def _unpack(self, index: Any) -> torch.Tensor:
-        if type(index) is not int:
-            if type(index) is tuple:
-                held, version = index
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if type(packed) is not _Saved:
+            if type(packed) is tuple:
+                held, version = packed
                 if held._version != version:
                     raise self._modified_input(held, version)
                 return held  # type: ignore[no-any-return]
-            return index  # type: ignore[no-any-return]
+            return packed  # type: ignore[no-any-return]
+        index = packed.index
         saved = self.recomputed
         if saved is None or index >= len(saved) or saved[index] is None:
             saved = self.recomputed = self._recompute()
         t = saved[index]
         saved[index] = None  # each saved tensor is unpacked once per recompute
-        assert t is not None
+        assert isinstance(t, torch.Tensor)
         return t
 
     def _current_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -490,7 +496,7 @@ class _Region:
             "move the in-place operation after the backward."
         )
 
-    def _recompute(self) -> list[torch.Tensor | None]:
+    def _recompute(self) -> list[torch.Tensor | _Gone | None]:
         options = self.options
         grad_was_enabled = torch.is_grad_enabled()
         args, kwargs = self._current_inputs()
@@ -499,7 +505,7 @@ class _Region:
             function, args, kwargs = self._cache_copies(args, kwargs)
         if self.streams:
             _state.wait_for_streams(self.streams, self.inputs or ())
-        collected: list[torch.Tensor | None] = []
+        collected: list[torch.Tensor | _Gone | None] = []
         prints: list[torch.Tensor | None] = []
         fingerprinting = options.determinism_check == "values"
         # Stop as soon as the last tensor the forward saved is back: what runs
@@ -516,6 +522,8 @@ class _Region:
         wanted = -1 if run_to_end else len(self.metas)
         stopped = False
         input_ids = self.input_ids
+        holders = self.holders
+        known = len(holders)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal stopped
@@ -526,13 +534,21 @@ class _Region:
             detached = t.detach()
             if stopped:  # the function caught the stop and went on
                 return detached
-            # Tensors that do not require grad come back as the very object
-            # saved (identity and Python attributes kept, as without hooks).
-            # The others come back detached, also under create_graph: autograd
-            # gives an unpacked tensor the forward's graph edge, never the
-            # recompute's, and a recompute graph handed back with it kept the
-            # region's inputs alive from second-order gradients on.
-            collected.append(detached if t.requires_grad else t)
+            n = len(collected)
+            if n < known and holders[n]() is None:
+                # No node will ask for it: the graph that saved it in forward
+                # was freed before backward (a result computed with grad, then
+                # detached). Only its description is kept, for the check.
+                collected.append(_Gone(t))
+            else:
+                # Tensors that do not require grad come back as the very object
+                # saved (identity and Python attributes kept, as without
+                # hooks). The others come back detached, also under
+                # create_graph: autograd gives an unpacked tensor the forward's
+                # graph edge, never the recompute's, and a recompute graph
+                # handed back with it kept the region's inputs alive from
+                # second-order gradients on.
+                collected.append(detached if t.requires_grad else t)
             if fingerprinting:  # now: a saved buffer may change after the recompute
                 prints.append(
                     None
@@ -623,7 +639,7 @@ class _Region:
 
     def _verify(
         self,
-        collected: list[torch.Tensor | None],
+        collected: list[torch.Tensor | _Gone | None],
         prints: list[torch.Tensor | None],
         recompute_ops: list[str] | None,
     ) -> None:
@@ -733,6 +749,32 @@ def _two_contexts(
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+class _Saved:
+    """What autograd holds for a tensor that a region recomputes: its index
+    among the tensors the region saved. The region refers to it weakly: once
+    autograd lets it go (the node that saved the tensor was freed unused, as
+    when a result computed with grad is detached), the recompute does not keep
+    that tensor (torch's checkpoint drops it too)."""
+
+    __slots__ = ("index", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+_weak = weakref.ref
+
+
+class _Gone:
+    """Stands in the recompute's list for a saved tensor no node will ask for
+    (see :class:`_Saved`): its description, for the determinism check."""
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
 
 
 # torch 2.14 and later: the user's saved-tensor hooks (save_on_cpu) as torch's

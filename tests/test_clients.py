@@ -142,16 +142,26 @@ def test_timm_own_switch_keeps_only_the_statistics_each_region_updates(
 def test_every_hf_type_sweep_runs_where_transformers_is(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    # A causal LM, and a vision model with batch norms (whose statistics torch's
-    # checkpoint updates twice, which the sweep reports beside).
+    # A causal LM, a vision model with batch norms (whose statistics torch's
+    # checkpoint updates twice, which the sweep reports beside), an encoder-
+    # decoder, and a speech model whose SpecAugment masks come from NumPy's RNG
+    # (for CTC and for audio classification).
     pytest.importorskip("transformers")
     sweep = runpy.run_path(str(EXAMPLE.parent / "hf_every_type.py"))
-    code = sweep["main"](["--only", "llama,mobilevit", "--policies", "none,values"])
+    code = sweep["main"](
+        ["--only", "llama,mobilevit,t5,wav2vec2", "--policies", "none,values"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.count("bitwise equal") == 2 * 2, out
-    assert "causal-lm: 2 bitwise, 0 failed" in out
-    assert "image-classification: 2 bitwise, 0 failed" in out
+    assert out.count("bitwise equal") == 5 * 2, out
+    for task in (
+        "causal-lm",
+        "image-classification",
+        "seq2seq-lm",
+        "ctc",
+        "audio-classification",
+    ):
+        assert f"{task}: 2 bitwise, 0 failed" in out, out
 
 
 @pytest.mark.slow

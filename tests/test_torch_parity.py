@@ -695,6 +695,41 @@ def test_saved_tensors_are_freed_as_backward_uses_them() -> None:
     assert run(lambda fn: fn(x).backward(retain_graph=True))[2] > plain[2]
 
 
+def test_a_saved_tensor_whose_graph_died_in_forward_is_not_held() -> None:
+    # An op saves a tensor inside the region, but its graph is gone before
+    # backward: the result was detached (PEFT's DoRA computes its weight norm
+    # from a detached LoRA product, so the matmuls' saved inputs die with it).
+    # The recompute must not hold what no backward node will ask for: torch's
+    # checkpoint drops it (its holders are weakly referenced), and so does
+    # the plain run, where the graph that saved it is freed at once.
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        side = w.exp()  # exp saves its output: a graph that dies just below
+        scale = side.detach().mean()
+        return (x * scale).sin()
+
+    def backward_peak(
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> int:
+        x = torch.randn(256, 256, requires_grad=True)
+        w = torch.randn(256, 256, requires_grad=True)
+        out = step(x, w)
+        with track_memory("cpu") as mem:
+            out.sum().backward()
+        return mem.peak_bytes
+
+    ours = backward_peak(lambda x, w: checkpoint(fn, x, w))
+    torchs = backward_peak(lambda x, w: tc.checkpoint(fn, x, w, use_reentrant=False))
+    assert ours <= torchs, (ours, torchs)
+    # ... also where the recompute runs to its end, and where it fingerprints
+    # each tensor (the fingerprints, a few bytes each, are all it adds)
+    assert backward_peak(lambda x, w: checkpoint(fn, x, w, early_stop=False)) <= torchs
+    dead = 256 * 256 * 4  # the bytes of exp's output
+    values = backward_peak(
+        lambda x, w: checkpoint(fn, x, w, determinism_check="values")
+    )
+    assert values < torchs + dead // 64, (values, torchs)
+
+
 # --------------------------------------------- TestCheckpoint's behaviours
 
 
