@@ -1,7 +1,8 @@
-"""A wider sweep than ``real_models.py``: dozens of torchvision, timm and HF
-transformers models, each trained one step plainly and one step with seqckpt
-from the same weights and seed, under each chosen policy, and checked bitwise
-(outputs, every gradient, every buffer) with ``real_models.compare``.
+"""A wider sweep than ``real_models.py``: dozens of torchvision, timm, HF
+transformers and diffusers models, PEFT adapters and an open_clip CLIP, each
+trained one step plainly and one step with seqckpt from the same weights and
+seed, under each chosen policy, and checked bitwise (outputs, every gradient,
+every buffer) with ``real_models.compare``.
 
 Vision models go through ``seqckpt.checkpoint_blocks(model, policy=...)`` (or,
 where it finds no stack of repeated blocks, their ``features`` trunk becomes
@@ -13,13 +14,15 @@ function through ``real_models.use_seqckpt``, or with ``--hf-route blocks``
 their ``nn.ModuleList`` is a region); diffusers models (UNet, VAE, DiT, SD3,
 Flux) get ``seqckpt.checkpoint`` through their own
 ``enable_gradient_checkpointing(gradient_checkpointing_func=...)``, or
-``checkpoint_blocks`` with ``--hf-route blocks``. Dropout, stochastic depth, MoE
-router noise, BatchNorm, in-place activations and (two torchvision models
-prepared for quantization-aware training) fake-quantizers with their observers
-are left on where the model has them. Sizes are small: this checks correctness, not speed.
+``checkpoint_blocks`` with ``--hf-route blocks``; PEFT models (LoRA, DoRA,
+IA3, LoHa on a frozen Llama) go the HF way, the CLIP the vision way. Dropout,
+stochastic depth, MoE router noise, BatchNorm, in-place activations and (two
+torchvision models prepared for quantization-aware training) fake-quantizers
+with their observers are left on where the model has them. Sizes are small:
+this checks correctness, not speed.
 
-Usage (with torchvision, timm, transformers and diffusers installed; a missing package's
-models are skipped)::
+Usage (with torchvision, timm, transformers, diffusers, peft and open_clip
+installed; a missing package's models are skipped)::
 
     python examples/model_sweep.py                       # default policy only
     python examples/model_sweep.py --policies none,compute_heavy,values,everything
