@@ -195,6 +195,22 @@ class RunningTable(nn.Module):
         return h
 
 
+class DetachedNorm(nn.Module):
+    """A scale computed with grad from the weight and then detached, as PEFT's
+    DoRA computes its weight norm: what those ops save dies in forward, so a
+    recompute must keep none of it (and still check it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.magnitude = nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(self.lin.in_features)
+        norm = self.lin(eye).exp().norm(dim=0).detach()
+        return self.lin(x) * (self.magnitude / norm)
+
+
 @st.composite
 def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
     width = draw(st.integers(2, 12))
@@ -217,6 +233,7 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
                     "named_and_written",
                     "drop_path",
                     "running_table",
+                    "detached_norm",
                 ]
             )  # fmt: skip
         )
@@ -247,6 +264,8 @@ def chains(draw: st.DrawFn) -> tuple[nn.Sequential, int]:
         elif kind == "running_table":
             writes = draw(st.sampled_from(["none", "view", "data"]))
             items.append(RunningTable(width, writes))
+        elif kind == "detached_norm":
+            items.append(DetachedNorm(width))
         else:
             items += [Split(), Join(width)]
     torch.manual_seed(draw(st.integers(0, 1000)))
