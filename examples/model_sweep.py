@@ -291,6 +291,15 @@ def diffusers_cases() -> list[Case]:
     ]  # fmt: skip
 
 
+def _loss_of(out: Any) -> torch.Tensor:
+    """An HF model's loss (computed from the labels it was given)."""
+    return out.loss.float()  # type: ignore[no-any-return]
+
+
+def _logits_summed(out: Any) -> torch.Tensor:
+    return out.logits.float().sum()  # type: ignore[no-any-return]
+
+
 def transformers_cases() -> list[Case]:
     import transformers as T
 
@@ -370,11 +379,7 @@ def transformers_cases() -> list[Case]:
             # a plain run with the cache computes differently (HF turns the
             # cache off under checkpointing): compare like with like
             inputs["use_cache"] = False
-        loss = (
-            (lambda out: out.loss.float())
-            if seq2seq
-            else (lambda out: out.logits.float().sum())
-        )
+        loss = _loss_of if seq2seq else _logits_summed
         build = functools.partial(getattr(T, model_class), config)
         cases.append((f"transformers {name}", build, inputs, loss, "hf"))
     return cases + _transformers_other_inputs(T)
@@ -412,17 +417,9 @@ def _transformers_other_inputs(T: Any) -> list[Case]:
         build = functools.partial(
             getattr(T, model_class), getattr(T, config_class)(**settings)
         )
-        loss = (
-            (lambda o: o.loss.float())
-            if out == "loss"
-            else (lambda o: o.logits.float().sum())
-        )
+        loss = _loss_of if out == "loss" else _logits_summed
         cases.append((f"transformers {name}", build, inputs, loss, "hf"))
     return cases + _vision_language(T)
-
-
-def _loss_of(out: Any) -> torch.Tensor:
-    return out.loss.float()  # type: ignore[no-any-return]
 
 
 def _vision_language(T: Any) -> list[Case]:

@@ -8,11 +8,12 @@ default device, backend switches, buffers and module training modes as the
 first time) and every tensor it saves is collected by index, except those
 whose holder is gone (the node that saved it was freed unused, as when a
 result computed with grad is detached); each node then gets back the tensor it
-saved the first time (the very object, for tensors that do not require grad). The graph that backward walks is
-the one built in forward, so ``torch.autograd.grad``, ``backward(inputs=...)``,
-parameters that are not inputs, double backward, ``retain_graph`` and a backward
-run *inside* the function behave as without checkpointing, and gradients are
-bitwise those of the plain run.
+saved the first time (the very object, for tensors that do not require grad).
+The graph that backward walks is the one built in forward, so
+``torch.autograd.grad``, ``backward(inputs=...)``, parameters that are not
+inputs, double backward, ``retain_graph`` and a backward run *inside* the
+function behave as without checkpointing, and gradients are bitwise those of
+the plain run.
 
 The recompute stops as soon as the last of those tensors is back (an exception
 raised in the saved-tensor hook, recognised also after TorchScript turned it
