@@ -1815,6 +1815,36 @@ def test_quantization_aware_training(qconfig: str, observed: bool, call: Any) ->
     assert_matches_plain(qat_chain(qconfig, observed), x, call)
 
 
+@pytest.mark.parametrize("form", ["parametrization", "hook"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: checkpoint(m, x),
+        lambda m, x: checkpoint(m, x, policy="compute_heavy"),
+        lambda m, x: seqckpt.checkpoint_sequential(m, 2, x),
+    ],
+    ids=["whole", "compute_heavy", "segments"],
+)
+def test_spectral_norm_iterates_once_per_step(form: str, call: Any) -> None:
+    # Spectral normalisation (GAN discriminators) runs a power iteration in
+    # every training forward and writes its vectors u, v in place. A
+    # recompute that iterated again from the updated vectors would divide by
+    # another sigma (other gradients, no error: torch's checkpoint does so)
+    # and leave the vectors one iteration further than the plain run.
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(0)
+    if form == "parametrization":
+        norm = parametrizations.spectral_norm
+    else:  # the older form: a forward pre-hook and buffers on the module
+        norm = torch.nn.utils.spectral_norm  # type: ignore[assignment]
+    model = nn.Sequential(
+        norm(nn.Linear(6, 6)), nn.LeakyReLU(0.2), norm(nn.Linear(6, 6)), nn.Tanh()
+    )
+    x = torch.randn(4, 6, requires_grad=True)
+    assert_matches_plain(model, x, call)
+
+
 @pytest.mark.parametrize("cached_in", ["forward", "backward"])
 def test_parametrization_cache_is_replayed(cached_in: str) -> None:
     # Under parametrize.cached() the first region computes the orthogonal
