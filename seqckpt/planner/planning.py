@@ -305,10 +305,15 @@ def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     tensors = tensors_in(input)
     kinds = tuple((t.dim(), t.dtype, str(t.device), t.requires_grad) for t in tensors)
     device_type = tensors[0].device.type if tensors else "cpu"
+    # (a device type without autocast, such as meta, raises in the second
+    # call; the dynamo of torch 2.8 cannot trace the first, and traces only
+    # real devices' tensors)
+    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(
+        device_type
+    )
     autocast = (
         torch.get_autocast_dtype(device_type)
-        if torch.amp.is_autocast_available(device_type)
-        and torch.is_autocast_enabled(device_type)
+        if available and torch.is_autocast_enabled(device_type)
         else None
     )
     return (tuple(id(m) for m in chain), kinds, image_sizes(tensors), autocast)
