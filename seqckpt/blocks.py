@@ -93,7 +93,13 @@ class CheckpointedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        forward = self.forward or type(module).forward.__get__(module)
+        forward = self.forward
+        if forward is None:
+            forward = (
+                functools.partial(type(module).forward, module)  # (torch 2.8's
+                if torch.compiler.is_compiling()  # dynamo cannot trace __get__)
+                else type(module).forward.__get__(module)
+            )
         if not (module.training and torch.is_grad_enabled()) or (
             self.in_sequential and _run_by_its_stack(module)
         ):

@@ -515,6 +515,12 @@ def _small_resnet() -> nn.Module:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.9",
+    reason="torch 2.8's compiled checkpoint, which seqckpt hands compiled code "
+    "to, updates batch norm's running statistics in the recompute too (twice "
+    "the update; also with torch's checkpoint alone); fixed in torch 2.9",
+)
 def test_compiled_checkpoint_blocks_model_with_batch_norm() -> None:
     """A ResNet-shaped model after checkpoint_blocks (BatchNorm in training
     mode, in-place ReLUs) compiles with fullgraph=True as it is called in
