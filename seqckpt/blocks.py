@@ -95,9 +95,10 @@ class CheckpointedForward:
         module = self.module
         forward = self.forward
         if forward is None:
+            # (a partial while dynamo traces: torch 2.8's cannot trace __get__)
             forward = (
-                functools.partial(type(module).forward, module)  # (torch 2.8's
-                if torch.compiler.is_compiling()  # dynamo cannot trace __get__)
+                functools.partial(type(module).forward, module)
+                if torch.compiler.is_compiling()
                 else type(module).forward.__get__(module)
             )
         if not (module.training and torch.is_grad_enabled()) or (
