@@ -691,11 +691,18 @@ class _Region:
         assert bad is not None
         before, after = self.prints[bad], prints[bad]
         assert before is not None and after is not None
+        cause = (
+            "Something"
+            if self.options.preserve_rng_state
+            else "It runs with preserve_rng_state=False, so its random ops "
+            "(dropout) draw other numbers in the recompute: leave "
+            "preserve_rng_state at True. If it draws none, something"
+        )
         raise CheckpointError(
             f"seqckpt: saved tensor #{bad} of checkpointed {name} "
             f"({_describe(self.metas[bad])}) has other values in the "
             "recompute than in forward (fingerprints "
-            f"{before.tolist()} vs {after.tolist()}). Something "
+            f"{before.tolist()} vs {after.tolist()}). {cause} "
             "nondeterministic runs inside: RNG outside torch, a "
             "torch.Generator of your own that the region reaches through a "
             "global object's attribute (the default generators and those its "

@@ -509,6 +509,27 @@ def test_without_preserve_rng_state_dropout_differs() -> None:
     assert not torch.equal(got, x.grad)
 
 
+@pytest.mark.parametrize("preserve", [True, False])
+def test_values_check_names_preserve_rng_state_when_it_is_off(preserve: bool) -> None:
+    # With the flag off the likeliest cause of other values is the region's
+    # own dropout; with it on, the error must not blame the flag.
+    state = {"calls": 0}
+
+    def drifting(x: torch.Tensor) -> torch.Tensor:
+        state["calls"] += 1
+        return (x * state["calls"]).exp().sum()
+
+    y = checkpoint(
+        drifting,
+        torch.randn(4, requires_grad=True),
+        preserve_rng_state=preserve,
+        determinism_check="values",
+    )
+    with pytest.raises(CheckpointError, match="other values") as info:
+        y.backward()
+    assert ("preserve_rng_state=False" in str(info.value)) is not preserve
+
+
 def assert_matches_plain_under_autocast(model: nn.Module, x: torch.Tensor) -> None:
     """The oracle with both runs under bf16 CPU autocast."""
 
