@@ -708,7 +708,8 @@ class _Region:
             "global object's attribute (the default generators and those its "
             "modules hold, it is given, closes over or names as a global are "
             "replayed), nondeterministic kernels, or "
-            "state changed between the runs." + debug
+            "state changed between the runs (a parameter an optimizer stepped "
+            "between forward and backward)." + debug
         )
 
 

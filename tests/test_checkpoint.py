@@ -530,6 +530,20 @@ def test_values_check_names_preserve_rng_state_when_it_is_off(preserve: bool) ->
     assert ("preserve_rng_state=False" in str(info.value)) is not preserve
 
 
+def test_values_check_catches_a_parameter_stepped_before_backward() -> None:
+    # The plain run raises autograd's in-place error here; the default check
+    # (like torch's checkpoint) recomputes with the stepped weights, "values"
+    # sees other recomputed values (README, limits).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    y = checkpoint(model, torch.randn(2, 4), determinism_check="values")
+    y.sum().backward(retain_graph=True)
+    optimizer.step()
+    with pytest.raises(CheckpointError, match="a parameter an optimizer stepped"):
+        y.sum().backward()
+
+
 def assert_matches_plain_under_autocast(model: nn.Module, x: torch.Tensor) -> None:
     """The oracle with both runs under bf16 CPU autocast."""
 
