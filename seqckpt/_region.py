@@ -201,6 +201,7 @@ class _Region:
         "ambient",
         "metas",
         "holders",
+        "params",
         "prints",
         "recomputed",
         "guard",
@@ -243,6 +244,8 @@ class _Region:
         self.options = options
         self.metas: list[Any] = []
         self.holders: list[weakref.ref[_Saved]] = []
+        # the parameters (or views of them) its forward saved, held as they are
+        self.params: list[torch.Tensor] = []
         self.prints: list[torch.Tensor | None] = []
         self.recomputed: list[torch.Tensor | _Gone | None] | None = None
         self.in_forward = False
@@ -409,7 +412,11 @@ class _Region:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if (type(t) is not _Tensor or t._base is not None) and _is_parameter(t):
-            return t  # alive anyway: nothing to drop, nothing to recompute
+            # Alive anyway: nothing to drop, nothing to recompute. Outside
+            # other regions its version is checked in backward, as autograd
+            # checks what it saves itself (an optimizer step before backward).
+            self.params.append(t)
+            return t if self.input_ids is None else (t, t._version)
         if self.input_ids is not None and id(t) in self.input_ids:
             return (t, t._version)  # an input of the region, held anyway
         holder = _Saved(len(self.metas))
@@ -484,9 +491,24 @@ class _Region:
     def _label(self) -> str:
         return self.name or _name(self.function)
 
+    def _modified_parameter(self, t: torch.Tensor, expected: int) -> CheckpointError:
+        return CheckpointError(
+            f"seqckpt: a parameter (shape {tuple(t.shape)}) that checkpointed "
+            f"{self._label()} saved for backward was modified in place after its "
+            "forward (an optimizer step before this backward?), as the plain run "
+            "would report too: one of the variables needed for gradient "
+            "computation has been modified by an inplace operation: it is at "
+            f"version {t._version}; expected version {expected} instead. Run the "
+            "backward before the step, or run the forward again after it."
+        )
+
     def _modified_input(self, t: torch.Tensor, expected: int) -> CheckpointError:
+        """The error for a held tensor written in place since the forward: an
+        input, else a parameter (see ``_pack``)."""
         assert self.inputs is not None
-        i = next(i for i, u in enumerate(self.inputs) if u is t)
+        i = next((i for i, u in enumerate(self.inputs) if u is t), None)
+        if i is None:
+            return self._modified_parameter(t, expected)
         return CheckpointError(
             f"seqckpt: input tensor #{i} (shape {tuple(t.shape)}) of "
             f"checkpointed {self._label()} was modified in place "
@@ -525,6 +547,8 @@ class _Region:
         input_ids = self.input_ids
         holders = self.holders
         known = len(holders)
+        params = self.params
+        param_versions = _versions(params) if params else None
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal stopped
@@ -628,6 +652,8 @@ class _Region:
             if ambient is not None:
                 _state.Ambient.undo(ambient)
             _state.end(_state.RECOMPUTING, phase)
+            if param_versions is not None and _versions(params) != param_versions:
+                _undo_version_moves(params, param_versions)
             if caller_rng is not None:
                 caller_rng.restore()
             if undo is not None:
@@ -720,6 +746,19 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
         return list(map(_version, tensors))
     except RuntimeError:
         return [-1 if t.is_inference() else t._version for t in tensors]
+
+
+def _undo_version_moves(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    """Put back the version counters of ``tensors`` that a recompute moved by
+    writing into them (a max-norm clamp of a weight in forward): the plain
+    run wrote once, so what autograd saved before must still count as
+    unchanged, and only writes from outside a recompute (an optimizer step)
+    are reported."""
+    now = _versions(tensors)
+    moved = [i for i, (a, b) in enumerate(zip(now, versions)) if a != b]  # noqa: B905
+    torch._C._autograd._unsafe_set_version_counter(
+        tuple(tensors[i] for i in moved), tuple(versions[i] for i in moved)
+    )
 
 
 _training = operator.attrgetter("training")

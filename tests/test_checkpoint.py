@@ -530,18 +530,49 @@ def test_values_check_names_preserve_rng_state_when_it_is_off(preserve: bool) ->
     assert ("preserve_rng_state=False" in str(info.value)) is not preserve
 
 
-def test_values_check_catches_a_parameter_stepped_before_backward() -> None:
-    # The plain run raises autograd's in-place error here; the default check
-    # (like torch's checkpoint) recomputes with the stepped weights, "values"
-    # sees other recomputed values (README, limits).
+def step_between_two_backwards(
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor], **options: Any
+) -> None:
+    """Backward, an optimizer step, and backward again through the same graph
+    (a GAN's discriminator stepped before the generator's backward)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    y = checkpoint(model, torch.randn(2, 4), determinism_check="values")
+    y = run(model, torch.randn(2, 4))
     y.sum().backward(retain_graph=True)
     optimizer.step()
+    y.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda m, x: m(x),
+        lambda m, x: checkpoint(m, x),
+        lambda m, x: seqckpt.checkpoint_sequential(m, 2, x),
+        lambda m, x: checkpoint(lambda t: m[2:](checkpoint(m[:2], t)), x),
+    ],
+    ids=["plain", "region", "segments", "nested"],
+)
+def test_a_parameter_stepped_before_backward_raises_as_in_the_plain_run(
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+) -> None:
+    # torch's checkpoint recomputes with the stepped weights, no error. The
+    # region's own writes in its recompute are not reported
+    # (test_a_parameter_changed_in_place_by_the_function_itself_is_fine).
+    with pytest.raises(
+        RuntimeError,
+        match=r"modified by an inplace operation.* is at version 2; expected version 1",
+    ):
+        step_between_two_backwards(run)
+
+
+def test_values_check_names_a_stepped_parameter() -> None:
+    # the recompute's values differ before any parameter is unpacked
     with pytest.raises(CheckpointError, match="a parameter an optimizer stepped"):
-        y.sum().backward()
+        step_between_two_backwards(
+            lambda m, x: checkpoint(m, x, determinism_check="values")
+        )
 
 
 def assert_matches_plain_under_autocast(model: nn.Module, x: torch.Tensor) -> None:
