@@ -652,8 +652,8 @@ class _Region:
             if ambient is not None:
                 _state.Ambient.undo(ambient)
             _state.end(_state.RECOMPUTING, phase)
-            if param_versions is not None and _versions(params) != param_versions:
-                _undo_version_moves(params, param_versions)
+            if param_versions is not None:
+                _undo_version_moves(params, param_versions, _versions(params))
             if caller_rng is not None:
                 caller_rng.restore()
             if undo is not None:
@@ -748,13 +748,16 @@ def _versions(tensors: list[torch.Tensor]) -> list[int]:
         return [-1 if t.is_inference() else t._version for t in tensors]
 
 
-def _undo_version_moves(tensors: list[torch.Tensor], versions: list[int]) -> None:
-    """Put back the version counters of ``tensors`` that a recompute moved by
-    writing into them (a max-norm clamp of a weight in forward): the plain
-    run wrote once, so what autograd saved before must still count as
-    unchanged, and only writes from outside a recompute (an optimizer step)
-    are reported."""
-    now = _versions(tensors)
+def _undo_version_moves(
+    tensors: list[torch.Tensor], versions: list[int], now: list[int]
+) -> None:
+    """Put back the version counters of ``tensors`` that a recompute moved
+    from ``versions`` to ``now`` by writing into them (a max-norm clamp of a
+    weight in forward): the plain run wrote once, so what autograd saved
+    before must still count as unchanged, and only writes from outside a
+    recompute (an optimizer step) are reported."""
+    if now == versions:
+        return
     moved = [i for i, (a, b) in enumerate(zip(now, versions)) if a != b]  # noqa: B905
     torch._C._autograd._unsafe_set_version_counter(
         tuple(tensors[i] for i in moved), tuple(versions[i] for i in moved)
