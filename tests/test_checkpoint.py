@@ -531,7 +531,7 @@ def test_values_check_names_preserve_rng_state_when_it_is_off(preserve: bool) ->
 
 
 def step_between_two_backwards(
-    run: Callable[[nn.Module, torch.Tensor], torch.Tensor], **options: Any
+    run: Callable[[nn.Module, torch.Tensor], torch.Tensor],
 ) -> None:
     """Backward, an optimizer step, and backward again through the same graph
     (a GAN's discriminator stepped before the generator's backward)."""
