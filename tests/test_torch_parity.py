@@ -143,6 +143,85 @@ def test_torch_distributed_checkpoint_wrapper_takes_seqckpt() -> None:
     assert list(wrapped.state_dict()) == list(_Stack().state_dict())
 
 
+class _BiasFreeBlock(nn.Module):
+    """Two matmuls (linears without bias), GELU and dropout between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16, bias=False)
+        self.down = nn.Linear(16, 8, bias=False)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(nn.functional.gelu(self.up(x))))
+
+
+def _every_other_mm_context() -> tuple[Any, Any]:
+    """torchtitan's "op" selective checkpointing: a fresh counter per call,
+    one count per mode, every matmul kept but each second one."""
+    counts = {"forward": 0, "recompute": 0}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> tc.CheckpointPolicy:
+        if op is not aten.mm.default:
+            return tc.CheckpointPolicy.PREFER_RECOMPUTE
+        mode = "recompute" if ctx.is_recompute else "forward"
+        counts[mode] += 1
+        if counts[mode] % 2 == 0:
+            return tc.CheckpointPolicy.PREFER_RECOMPUTE
+        return tc.CheckpointPolicy.MUST_SAVE
+
+    return tc.create_selective_checkpoint_contexts(policy)
+
+
+def test_torchtitans_counting_policy_through_the_checkpoint_wrapper() -> None:
+    # torchtitan wraps each block with checkpoint_wrapper(context_fn=...,
+    # preserve_rng_state=..., determinism_check=..., early_stop=..., debug=...);
+    # with checkpoint_fn=seqckpt.checkpoint those keywords reach seqckpt, and
+    # its policy keeps and recomputes the same matmuls as torch's checkpoint.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
+
+    def titan(fn: Any) -> Callable[[nn.Module], nn.Module]:
+        # fn None: the wrapper's own default, torch's non-reentrant checkpoint
+        def wrap(model: nn.Module) -> nn.Module:
+            for i, block in enumerate(model):
+                model[i] = checkpoint_wrapper(
+                    block,
+                    checkpoint_fn=fn,
+                    context_fn=_every_other_mm_context,
+                    preserve_rng_state=True,
+                    determinism_check="default",
+                    early_stop=True,
+                    debug=False,
+                )
+            return model
+
+        return wrap
+
+    def without_policy(function: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("context_fn")
+        return seqckpt.checkpoint(function, *args, **kwargs)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(_BiasFreeBlock() for _ in range(3)))
+
+    def mm_in_backward(model: nn.Module) -> int:
+        y = model(torch.randn(4, 8, requires_grad=True))
+        with OpCounter() as counter:
+            y.sum().backward()
+        return counter.counts.get("mm", 0)
+
+    x = torch.randn(4, 8, requires_grad=True)
+    assert_matches_plain(build, x, lambda m, t: titan(seqckpt.checkpoint)(m)(t))
+    ours = mm_in_backward(titan(seqckpt.checkpoint)(build()))
+    torchs = mm_in_backward(titan(None)(build()))
+    everything_recomputed = mm_in_backward(titan(without_policy)(build()))
+    assert ours == torchs
+    assert everything_recomputed - ours == 3  # the first matmul of each block kept
+
+
 @pytest.mark.parametrize(
     ("keyword", "value"),
     [
