@@ -319,15 +319,20 @@ def _frontier_key(chain: Sequence[Any], input: Any) -> tuple[Any, ...]:
     return (tuple(id(m) for m in chain), kinds, image_sizes(tensors), autocast)
 
 
+# what a chain's frontier depends on besides its input (see _ChainEntry.state)
+_State = tuple[tuple[bool, ...], tuple[bool, ...], tuple[torch.dtype | None, ...]]
+
+
 class _ChainEntry:
     """A chain's frontiers (see :data:`_FRONTIERS`): a chain whose layers
     are frozen or unfrozen between steps (gradual unfreezing in fine-tuning,
     a GAN's discriminator frozen for the generator's step) keeps other
     tensors for backward, and so does one whose modules switch between
     training and eval mode (dropout keeps its mask only in training; an
-    attack computed in eval mode before the training step), so each set of
-    parameters that require grad and of modules in training mode gets a
-    frontier of its own. (A plain class: dynamo 2.13 fails to trace a
+    attack computed in eval mode before the training step), and so does one
+    whose parameters were cast to another dtype, so each set of parameters
+    that require grad, of modules in training mode and of parameter dtypes
+    gets a frontier of its own. (A plain class: dynamo 2.13 fails to trace a
     dataclass's attributes here.)"""
 
     __slots__ = ("holders", "parameters", "modules", "frontiers")
@@ -336,7 +341,7 @@ class _ChainEntry:
         self.holders = _holders(chain)
         self.parameters: list[weakref.ref[torch.Tensor]]
         self.modules: list[weakref.ref[nn.Module]]
-        self.frontiers: dict[tuple[tuple[bool, ...], tuple[bool, ...]], Frontier]
+        self.frontiers: dict[_State, Frontier]
         if like is not None:  # the same chain remade (see _entry_for)
             self.parameters, self.modules = like.parameters, like.modules
             self.frontiers = like.frontiers
@@ -347,11 +352,15 @@ class _ChainEntry:
             self.modules = [weakref.ref(m) for m in modules]
             self.frontiers = {}
 
-    def state(self) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-        """Which parameters require grad and which modules are training."""
+    def state(self) -> _State:
+        """Which parameters require grad, which modules are training, and the
+        parameters' dtypes (a model cast with ``.float()`` after steps in
+        bfloat16 keeps twice the bytes)."""
+        parameters = [p() for p in self.parameters]
         return (
-            tuple([getattr(p(), "requires_grad", False) for p in self.parameters]),
+            tuple([getattr(p, "requires_grad", False) for p in parameters]),
             tuple([getattr(m(), "training", False) for m in self.modules]),
+            tuple([getattr(p, "dtype", None) for p in parameters]),
         )
 
 
@@ -517,7 +526,8 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
                 "seqckpt: segments='auto' cannot profile the chain inside "
                 "torch.compile; run one eager training step first (and again "
                 "after freezing or unfreezing layers, switching modules between "
-                "train() and eval(), or turning autocast on or off), or pass "
+                "train() and eval(), casting the model to another dtype, or "
+                "turning autocast on or off), or pass "
                 "seqckpt.plan(...) as segments."
             )
         frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
