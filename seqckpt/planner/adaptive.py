@@ -15,7 +15,12 @@ longest shape recomputes far more than short batches need. A
   proportional to the size above it and its own below, times proportional),
   and predicts every other shape's profile. A size more than twice the
   largest profiled is profiled too: extrapolating a line upwards would miss
-  what grows faster than linearly (an attention matrix). Image sizes do not
+  what grows faster than linearly (an attention matrix). Where batches
+  differ in both count and length (token-budget batching: 16x64 and 8x128
+  tokens, one size), the size alone does not tell their bytes apart
+  (attention weights hold batch x length²): a batch of another length than
+  the profiles' is profiled too, and bytes are fitted on the size and the
+  size times the length (see :func:`_fit`). Image sizes do not
   fit a line (strided layers round odd sizes up, see :func:`image_sizes`):
   ``segments="auto"`` keeps a frontier per image size, and a frontier made
   by hand warns when it is asked for another image size than its profile's.
@@ -74,7 +79,7 @@ from seqckpt.planner.solver import (
 )
 from seqckpt.planner.tree import Plan, PlanError, Run, check_format, load_json
 
-__all__ = ["Frontier", "image_sizes", "input_size"]
+__all__ = ["Frontier", "image_sizes", "input_batch", "input_size"]
 
 _BYTES = (
     "input_bytes",
@@ -105,6 +110,19 @@ def input_size(input: Any) -> int:
     """The size a frontier keys on: the number of elements of the input's
     tensors (batch x sequence x width for a language model's activations)."""
     return sum(t.numel() for t in tensors_in(input))
+
+
+def input_batch(input: Any) -> int | None:
+    """The batch a frontier reads lengths with: the first dimension of the
+    input's first tensor of rank two or more (None where there is none, or it
+    is empty; batch-first layouts, as HF's, timm's and torchvision's). The
+    input's size over its batch is the size of one sample (a sequence's length
+    times its width): batches of one size hold different bytes at different
+    lengths where attention keeps its softmax weights (batch x length²)."""
+    for t in tensors_in(input):
+        if t.dim() >= 2:
+            return int(t.shape[0]) if t.numel() else None
+    return None
 
 
 def image_sizes(input: Any) -> tuple[tuple[int, ...], ...]:
@@ -157,33 +175,126 @@ def _seconds_at(x: int, points: list[tuple[int, float]]) -> float:
     return max(_TIME_FLOOR * min(y for _, y in points), _line(x, points))
 
 
-def _predict(points: list[tuple[int, ChainProfile]], size: int) -> ChainProfile:
-    """Every figure of every layer at ``size``, from the measured profiles."""
+def _predict(
+    points: list[tuple[int, ChainProfile]],
+    size: int,
+    weights: list[float] | None = None,
+) -> ChainProfile:
+    """Every figure of every layer at ``size``, from the measured profiles:
+    on the lines in the size through them (see :func:`_bytes_at`), or with
+    ``weights`` (one per profile, see :func:`_fit`), as their weighted sum."""
+    xs = [x for x, _ in points]
+
+    def bytes_at(values: list[int]) -> int:
+        if weights is None:
+            return _bytes_at(size, list(zip(xs, values, strict=True)))
+        return max(
+            0, math.ceil(sum(w * v for w, v in zip(weights, values, strict=True)))
+        )
+
+    def seconds_at(values: list[float]) -> float:
+        if weights is None:
+            return _seconds_at(size, list(zip(xs, values, strict=True)))
+        weighted = sum(w * v for w, v in zip(weights, values, strict=True))
+        return max(_TIME_FLOOR * min(values), weighted)
+
     layers = []
     template = points[0][1]
     for k, layer in enumerate(template.layers):
-        at = [(x, p.layers[k]) for x, p in points]
+        at = [p.layers[k] for _, p in points]
         values: dict[str, Any] = {
-            field: _bytes_at(size, [(x, getattr(m, field)) for x, m in at])
-            for field in _BYTES
+            field: bytes_at([getattr(m, field) for m in at]) for field in _BYTES
         }
         for field in _TIMES:
-            values[field] = _seconds_at(size, [(x, getattr(m, field)) for x, m in at])
+            values[field] = seconds_at([getattr(m, field) for m in at])
         costs = tuple(
             PolicyCost(
                 cost.policy,
-                _bytes_at(size, [(x, m.policies[q].kept_bytes) for x, m in at]),
-                _seconds_at(size, [(x, m.policies[q].recompute_time) for x, m in at]),
+                bytes_at([m.policies[q].kept_bytes for m in at]),
+                seconds_at([m.policies[q].recompute_time for m in at]),
                 cost.keeps_output,
-                _seconds_at(
-                    size, [(x, m.forward_time_under(m.policies[q])) for x, m in at]
-                ),
-                _bytes_at(size, [(x, m.policies[q].cast_bytes) for x, m in at]),
+                seconds_at([m.forward_time_under(m.policies[q]) for m in at]),
+                bytes_at([m.policies[q].cast_bytes for m in at]),
             )
             for q, cost in enumerate(layer.policies)
         )
         layers.append(dataclasses.replace(layer, **values, policies=costs))
     return dataclasses.replace(template, layers=tuple(layers))
+
+
+def _shape(input: Any, batch: int | None) -> Shape:
+    """(size, batch) of a batch, or of a size given with its batch."""
+    if isinstance(input, int):
+        return input, batch
+    return input_size(input), input_batch(input)
+
+
+def _same(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+
+
+Shape = tuple[int, int | None]  # (input size, input batch)
+
+
+def _fit(
+    shapes: Sequence[Shape], size: int, batch: int | None
+) -> tuple[list[int], list[float] | None]:
+    """Which profiles (at ``shapes``) predict the figures of a batch of
+    ``size`` elements and ``batch`` samples, and how: (indices, None) for the
+    lines in the size through those (:func:`_bytes_at`), or (indices,
+    weights) for the weighted sum of their figures.
+
+    A figure is taken as c + a*size + b*size*length, where length is the size
+    of one sample: attention that keeps its softmax weights holds
+    batch x length² = size x length elements. Profiles of one length (a
+    growing batch) are told apart by their size alone: the lines in the
+    size, as are batches of unknown count and two profiles of one count.
+    Profiles of several lengths at one size (within a tenth; token-budget
+    batching: 16x64 and 8x128 tokens) give, at that size, the line in
+    size x length through the two nearest; at another size, the lines
+    through the profile of the nearest length. Otherwise (three profiles of
+    one count make a curve in the size) the plane through the three profiles
+    whose weights are smallest (at most one in all between them)."""
+    everyone = list(range(len(shapes)))
+    if batch is None or any(b is None for _, b in shapes):
+        return everyone, None
+    counts = [b for _, b in shapes if b is not None]
+    sizes = [x for x, _ in shapes]
+    lengths = [x / b for x, b in zip(sizes, counts, strict=True)]
+    if all(_same(n, lengths[0]) for n in lengths):
+        return everyone, None
+    length = size / batch
+    if max(size, *sizes) < _SECOND_PROFILE * min(size, *sizes):  # one size
+        nearest = sorted(
+            everyone, key=lambda k: abs(lengths[k] * sizes[k] - length * size)
+        )
+        i = nearest[0]
+        j = next((k for k in nearest if not _same(lengths[k], lengths[i])), None)
+        if j is None:
+            return [i], None
+        qi, qj = sizes[i] * lengths[i], sizes[j] * lengths[j]
+        t = (size * length - qi) / (qj - qi)
+        return [i, j], [1 - t, t]
+    if max(sizes) < _SECOND_PROFILE * min(sizes):  # another size than the profiles'
+        return [min(everyone, key=lambda k: abs(math.log(lengths[k] / length)))], None
+    # the plane, in sizes and size x length relative to the query's
+    u = [x / size for x in sizes]
+    v = [x * n / (size * length) for x, n in zip(sizes, lengths, strict=True)]
+    best: tuple[float, list[int], list[float]] | None = None
+    near = sorted(everyone, key=lambda k: math.log(u[k]) ** 2 + math.log(v[k]) ** 2)
+    for i, j, k in itertools.combinations(near[:8], 3):
+        d = (u[j] - u[i]) * (v[k] - v[i]) - (u[k] - u[i]) * (v[j] - v[i])
+        if abs(d) < 1e-9:
+            continue
+        wj = ((1 - u[i]) * (v[k] - v[i]) - (u[k] - u[i]) * (1 - v[i])) / d
+        wk = ((u[j] - u[i]) * (1 - v[i]) - (1 - u[i]) * (v[j] - v[i])) / d
+        w = [1 - wj - wk, wj, wk]
+        score = sum(abs(x) for x in w)
+        if best is None or score < best[0]:
+            best = (score, [i, j, k], w)
+    if best is None:
+        return everyone, None
+    return best[1], best[2]
 
 
 def _superlinear(low: tuple[int, ChainProfile], high: tuple[int, ChainProfile]) -> bool:
@@ -215,6 +326,8 @@ class Frontier:
 
     Attributes:
         points: the measured profiles, as (input size, profile).
+        batches: the :func:`input_batch` of each profile (None where
+            unknown: then lengths are not told apart, see :func:`_fit`).
         plans: the stored candidate plans.
         tolerance: how far (a share) a measured peak may be from the
             prediction before that size is profiled again.
@@ -231,10 +344,17 @@ class Frontier:
         tolerance: float = 0.10,
         plans: Sequence[Plan] = (),
         images: tuple[tuple[int, ...], ...] | None = None,
+        batches: Sequence[int | None] | None = None,
     ) -> None:
         if not points:
             raise ValueError("seqckpt: a frontier needs at least one profile.")
         self.points = list(points)
+        self.batches = [None] * len(self.points) if batches is None else list(batches)
+        if len(self.batches) != len(self.points):
+            raise ValueError(
+                f"seqckpt: batches has {len(self.batches)} entries for "
+                f"{len(self.points)} profiles; give one per profile (or None)."
+            )
         self.serial = next(_SERIALS)  # tells frontiers apart in plan caches
         self.images = images
         self._warned: set[tuple[tuple[int, ...], ...]] = set()
@@ -246,9 +366,9 @@ class Frontier:
         self._counted: list[Plan] = []
         self._matrices: tuple[torch.Tensor, torch.Tensor] | None = None
         self._classes: set[int] = set()
-        self._predictions: dict[int, tuple[ChainProfile, CostModel]] = {}
+        self._predictions: dict[Shape, tuple[ChainProfile, CostModel]] = {}
         self._stale: set[int] = set()
-        self._checked: set[int] = set()
+        self._checked: set[tuple[int, int]] = set()
         # whether bytes grow faster than the size between the two smallest
         # and between the two largest profiled sizes (see needs_profile)
         self._growth: tuple[bool, bool] | None = None
@@ -266,80 +386,132 @@ class Frontier:
 
     # ------------------------------------------------------------ predictions
 
-    def profile_at(self, size: int) -> ChainProfile:
-        """The predicted profile for an input of ``size`` elements."""
-        return self._predicted(size)[0]
+    def profile_at(self, size: int, batch: int | None = None) -> ChainProfile:
+        """The predicted profile for an input of ``size`` elements (in
+        ``batch`` samples, where known: see :func:`input_batch`)."""
+        return self._predicted(size, batch)[0]
 
-    def _model(self, size: int) -> CostModel:
-        return self._predicted(size)[1]
+    def _model(self, size: int, batch: int | None = None) -> CostModel:
+        return self._predicted(size, batch)[1]
 
-    def _predicted(self, size: int) -> tuple[ChainProfile, CostModel]:
-        found = self._predictions.get(size)
+    def _predicted(
+        self, size: int, batch: int | None
+    ) -> tuple[ChainProfile, CostModel]:
+        found = self._predictions.get((size, batch))
         if found is None:
             if len(self._predictions) > 256:
                 self._predictions.clear()
-            profile = _predict(self.points, size)
-            found = self._predictions[size] = (profile, CostModel.of(profile))
+            shapes = [
+                (x, b) for (x, _), b in zip(self.points, self.batches, strict=True)
+            ]
+            used, weights = _fit(shapes, size, batch)
+            profile = _predict([self.points[k] for k in used], size, weights)
+            found = self._predictions[(size, batch)] = (profile, CostModel.of(profile))
         return found
 
-    def needs_profile(self, size: int) -> bool:
-        """Whether a batch of ``size`` elements should be profiled: while only
-        one size is profiled, the first that differs by a tenth or more (with
-        one profile, a smaller size is predicted at that profile's bytes: safe,
-        but up to a third too high at 0.75x, where a second profile gives
-        the line); a size more than twice the largest profiled; where the
-        chain's bytes grow faster than its size (an attention matrix), one more
-        than a quarter beyond the profiled sizes, above or below (a line
-        through two points misses that growth outside them: softmax-attention
-        blocks profiled at 40 and 64 tokens ran 120 tokens at 1.23x the budget,
-        profiled at 86 and 96, 40 tokens at 1.56x); and a size whose measured
-        peak drifted from its prediction. Other sizes are predicted: between
-        two profiled sizes on the line (above a convex growth: on the safe
-        side), below the smallest on the line, or at the smallest's bytes
-        where they grow faster than the size there (not across image sizes,
-        whose rounding is not convex: keep those apart)."""
+    def needs_profile(self, size: int, batch: int | None = None) -> bool:
+        """Whether a batch of ``size`` elements (in ``batch`` samples, where
+        known) should be profiled: while only one size is profiled (within a
+        tenth), the first that differs by a tenth or more (with one profile, a
+        smaller size is predicted at that profile's bytes: safe, but up to a
+        third too high at 0.75x, where a second profile gives the line); a
+        size more than twice the largest profiled; where the chain's bytes grow
+        faster than its size (an attention matrix), one more than a quarter
+        beyond the profiled sizes, above or below (a line through two points
+        misses that growth outside them: softmax-attention blocks profiled at
+        40 and 64 tokens ran 120 tokens at 1.23x the budget, profiled at 86 and
+        96, 40 tokens at 1.56x); a size whose measured peak drifted from its
+        prediction; and a new length (see :meth:`_new_length`). Other sizes
+        are predicted: between two profiled sizes on the line (above a convex
+        growth: on the safe side), below the smallest on the line, or at the
+        smallest's bytes where they grow faster than the size there (not
+        across image sizes, whose rounding is not convex: keep those apart)."""
         if _size_class(size) in self._stale:
             return True
         sizes = [x for x, _ in self.points]
-        if len(sizes) == 1:
-            return max(size, sizes[0]) >= _SECOND_PROFILE * min(size, sizes[0])
+        low, high = min(sizes), max(sizes)
+        one_size = high < _SECOND_PROFILE * low
+        if one_size and max(size, high) >= _SECOND_PROFILE * min(size, low):
+            return True
+        if self._new_length(size, batch):
+            return True
+        if one_size:
+            return False
         if self._growth is None:  # (at the smallest sizes, at the largest)
             ordered = sorted(self.points, key=lambda p: p[0])
             self._growth = (_superlinear(*ordered[:2]), _superlinear(*ordered[-2:]))
-        low, high = min(sizes), max(sizes)
         if size < low and self._growth[0]:
             return size * _BEYOND_SUPERLINEAR < low
+        if self._growth[1] and len(sizes) == 2 and size > high:
+            return True  # a line through two sizes: a third gives the curve
         return size > (_BEYOND_SUPERLINEAR if self._growth[1] else 2) * high
 
-    def add_profile(self, size: int, profile: ChainProfile) -> None:
-        """Use a profile measured at ``size`` for the predictions."""
+    def _new_length(self, size: int, batch: int | None) -> bool:
+        """Whether a batch's length (its size per sample) is one the profiles
+        do not cover: where they all share a length, another one; where they
+        all share a batch, another batch (at one size, a longer sequence holds
+        more attention bytes: eight softmax-attention blocks profiled at 16x64
+        tokens ran 8x128 at 1.36x the budget and 4x256 at 2.42x before
+        2026-12-07's eighth session); where they span both, a length more than
+        a quarter beyond theirs (see :func:`_fit`). Unknown batches: False."""
+        if batch is None or any(b is None for b in self.batches):
+            return False
+        counts = [b for b in self.batches if b is not None]
+        lengths = [x / b for (x, _), b in zip(self.points, counts, strict=True)]
+        length = size / batch
+        one_length = all(_same(n, lengths[0]) for n in lengths)
+        one_batch = all(b == counts[0] for b in counts)
+        if (one_length and _same(length, lengths[0])) or (
+            one_batch and batch == counts[0]
+        ):
+            return False
+        if one_length or one_batch:
+            return True
+        beyond = _BEYOND_SUPERLINEAR
+        return not (min(lengths) <= beyond * length and length <= beyond * max(lengths))
+
+    def add_profile(
+        self, size: int, profile: ChainProfile, batch: int | None = None
+    ) -> None:
+        """Use a profile measured at ``size`` (in ``batch`` samples, where
+        known) for the predictions."""
         if len(profile) != len(self):
             raise PlanError(
                 f"seqckpt: profile has {len(profile)} layers, the frontier "
                 f"{len(self)}; profile the same chain."
             )
-        self.points = [(x, p) for x, p in self.points if x != size] + [(size, profile)]
+        kept = [
+            (point, b)
+            for point, b in zip(self.points, self.batches, strict=True)
+            if (point[0], b) != (size, batch)
+        ]
+        self.points = [point for point, _ in kept] + [(size, profile)]
+        self.batches = [b for _, b in kept] + [batch]
         self._stale.discard(_size_class(size))
         self._predictions.clear()
         self._growth = None
         # The stored plans stay: the new fit ranks them at every size.
 
-    def first_of_class(self, size: int) -> bool:
+    def first_of_class(self, size: int, batch: int | None = None) -> bool:
         """True the first time it is asked about a size class (sizes within a
-        factor of two): ``segments="auto"`` measures that step's peak for
-        :meth:`observe`, once per class."""
-        size_class = _size_class(size)
+        factor of two; with batches known, per class of batch too):
+        ``segments="auto"`` measures that step's peak for :meth:`observe`,
+        once per class."""
+        size_class = (_size_class(size), -1 if batch is None else _size_class(batch))
         if size_class in self._checked:
             return False
         self._checked.add(size_class)
         return True
 
-    def observe(self, input: Any, peak_bytes: int, plan: Plan) -> bool:
+    def observe(
+        self, input: Any, peak_bytes: int, plan: Plan, batch: int | None = None
+    ) -> bool:
         """Compare a step's measured peak with ``plan``'s prediction at this
-        input's size; returns True (and marks the size for a profile) when
-        they are more than ``tolerance`` apart."""
-        size = input if isinstance(input, int) else input_size(input)
-        predicted, _ = self._model(size).total(plan.items)
+        input's size (a batch, or its size in elements and ``batch``);
+        returns True (and marks the size for a profile) when they are more
+        than ``tolerance`` apart."""
+        size, batch = _shape(input, batch)
+        predicted, _ = self._model(size, batch).total(plan.items)
         drifted = abs(peak_bytes - predicted) > self.tolerance * max(1, predicted)
         if drifted:
             self._stale.add(_size_class(size))
@@ -347,33 +519,32 @@ class Frontier:
 
     # ------------------------------------------------------------------ plans
 
-    def plan_for(self, input: Any, budget: int | str) -> Plan:
+    def plan_for(self, input: Any, budget: int | str, batch: int | None = None) -> Plan:
         """The fastest stored plan whose predicted peak for ``input`` (a batch,
-        or its size in elements) fits ``budget``: keeping every activation
-        when that fits (no plan is faster). Where no stored plan fits, the
-        input's size class adds its frontier (once), else an exact solve
-        gives the plan. Raises ``PlanError`` naming the smallest budget that
-        would fit when none does."""
-        if isinstance(input, int):
-            size = input
-        else:
-            size = input_size(input)
+        or its size in elements and ``batch``, its :func:`input_batch`) fits
+        ``budget``: keeping every activation when that fits (no plan is
+        faster). Where no stored plan fits, the input's size class adds its
+        frontier (once), else an exact solve gives the plan. Raises
+        ``PlanError`` naming the smallest budget that would fit when none
+        does."""
+        size, batch = _shape(input, batch)
+        if not isinstance(input, int):
             self._check_image_size(image_sizes(input))
         given = parse_budget(budget)
         limit = int(given * (1 - HEADROOM))
-        model = self._model(size)
+        model = self._model(size, batch)
         everything = (Run(0, len(model)),)
         need, seconds = model.total(everything)
         if need <= limit:  # nothing is faster than keeping every activation
             return Plan(everything, need, seconds)
         best = self._fastest_fitting(model, limit)
         if best is None and _size_class(size) not in self._classes:
-            self._add_plans(size, model)
+            self._add_plans(size, batch, model)
             best = self._fastest_fitting(model, limit)
         if best is None:
-            floor = self._floor(size)
+            floor = self._floor(size, batch)
             if floor <= limit:  # between the stored plans' steps: solve exactly
-                found = fastest_plan(self.profile_at(size), limit, self.slots)
+                found = fastest_plan(self.profile_at(size, batch), limit, self.slots)
                 self.plans.append(Plan(found.items))
                 return found
             needed = math.ceil(floor / (1 - HEADROOM))
@@ -426,11 +597,11 @@ class Frontier:
         assert self._matrices is not None  # the caller has plans
         return self._matrices
 
-    def _add_plans(self, size: int, model: CostModel) -> None:
+    def _add_plans(self, size: int, batch: int | None, model: CostModel) -> None:
         n = len(model)
         top = model.total((Run(0, n),))[0]
         if n > EXACT_LAYERS:  # long chains: a few budgets on groups of layers
-            profile = self.profile_at(size)
+            profile = self.profile_at(size, batch)
             plans = []
             for eighths in range(2, 9):
                 try:
@@ -448,8 +619,8 @@ class Frontier:
                 self.plans.append(Plan(p.items))
         self._classes.add(_size_class(size))
 
-    def _floor(self, size: int) -> int:
-        floor, plan = smallest_peak(self.profile_at(size))
+    def _floor(self, size: int, batch: int | None) -> int:
+        floor, plan = smallest_peak(self.profile_at(size, batch))
         if plan.items not in {p.items for p in self.plans}:
             self.plans.append(Plan(plan.items))
         return floor
@@ -483,6 +654,7 @@ class Frontier:
                 "slots": self.slots,
                 "tolerance": self.tolerance,
                 "points": [[x, p.to_dict()] for x, p in self.points],
+                "batches": self.batches,
                 "plans": [p.to_dict() for p in self.plans],
                 "images": None if self.images is None else list(self.images),
             },
@@ -507,6 +679,8 @@ class Frontier:
                 if data.get("images") is None
                 else tuple(tuple(int(n) for n in t) for t in data["images"])
             ),
+            batches=[None if b is None else int(b) for b in data.get("batches") or []]
+            or None,
         )
 
 

@@ -25,6 +25,7 @@ from seqckpt.planner.adaptive import (
     Frontier,
     budget_now,
     image_sizes,
+    input_batch,
     input_size,
 )
 from seqckpt.planner.budget import format_bytes, parse_budget
@@ -139,6 +140,7 @@ def plan(
             [(input_size(sample_input), profile)],
             slots=slots,
             images=image_sizes(sample_input),
+            batches=[input_batch(sample_input)],
         )
     return fastest_plan(profile, budget, slots)
 
@@ -171,9 +173,11 @@ def with_policies(profile: ChainProfile, policies: Sequence[Any]) -> ChainProfil
 # more than choosing the plan) and a frontier for each set of them that
 # requires grad; the least recently used of 64 goes first.
 _FRONTIERS: dict[tuple[Any, ...], _ChainEntry] = {}
-# The plan chosen for the last (frontier, input size, budget) triples (the
-# frontier by its serial number: dynamo cannot trace id()).
-_AUTO_CACHE: OrderedDict[tuple[int, int, int], tuple[Frontier, Plan]] = OrderedDict()
+# The plan chosen for the last (frontier, input size, input batch, budget)
+# keys (the frontier by its serial number: dynamo cannot trace id()).
+_AUTO_CACHE: OrderedDict[tuple[int, int, int | None, int], tuple[Frontier, Plan]] = (
+    OrderedDict()
+)
 _AUTO_CACHE_SIZE = 64
 # Timed runs per item in the profiles segments="auto" takes on the training
 # stream: one (the lines fitted through two or three profiled sizes smooth a
@@ -499,13 +503,18 @@ def _timed_profile(
         AUTO_STATS.profile_seconds += time.perf_counter() - began
 
 
-def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
+def auto_frontier(
+    chain: Sequence[Any], input: Any, size: int, batch: int | None
+) -> Frontier:
     """The frontier ``segments="auto"`` keeps for this chain, kind of input
-    (``size`` is the input's :func:`input_size`; an image size or signal
+    (``size`` and ``batch`` are the input's :func:`input_size` and
+    :func:`input_batch`; an image size or signal
     length is a kind of its own, see :func:`image_sizes`) and set of
     trainable parameters (see :class:`_ChainEntry`): profiled on the first
-    call, and once more at the first size that differs by a tenth (or where
-    measured peaks drifted); then reused for every batch of that kind."""
+    call, and again where :meth:`Frontier.needs_profile` asks (the first size
+    that differs by a tenth, the first batch of another length at one size,
+    sizes or lengths beyond the profiled ones, measured peaks that
+    drifted); then reused for every batch of that kind."""
     key = _frontier_key(chain, input)
     entry = _FRONTIERS.get(key)
     if entry is None or not _same_items(entry.holders, chain):
@@ -530,11 +539,14 @@ def auto_frontier(chain: Sequence[Any], input: Any, size: int) -> Frontier:
                 "turning autocast on or off), or pass "
                 "seqckpt.plan(...) as segments."
             )
-        frontier = Frontier([(size, _timed_profile(chain, input, DEFAULT_POLICIES))])
+        frontier = Frontier(
+            [(size, _timed_profile(chain, input, DEFAULT_POLICIES))],
+            batches=[batch],
+        )
         entry.frontiers[state] = frontier
-    elif frontier.needs_profile(size) and not torch.compiler.is_compiling():
+    elif frontier.needs_profile(size, batch) and not torch.compiler.is_compiling():
         policies = [None, *frontier.points[0][1].policies]
-        frontier.add_profile(size, _timed_profile(chain, input, policies))
+        frontier.add_profile(size, _timed_profile(chain, input, policies), batch)
     return frontier
 
 
@@ -543,6 +555,7 @@ def _auto_choice(
     chain: Sequence[Any],
     input: Any,
     size: int,
+    batch: int | None,
     memory_budget: BudgetSource | None,
 ) -> Plan:
     """The fastest plan of ``frontier`` whose predicted peak for this input
@@ -561,18 +574,18 @@ def _auto_choice(
         )
         if _distributed():  # every call: all ranks then share the cache's keys
             budget = _smallest_on_any_rank(budget, input)
-        key = (frontier.serial, size, budget)
+        key = (frontier.serial, size, batch, budget)
         cached = _AUTO_CACHE.get(key)
         if cached is not None and cached[0] is frontier:
             return cached[1]
         if _distributed():
             try:
-                result: Plan | PlanError = frontier.plan_for(size, budget)
+                result: Plan | PlanError = frontier.plan_for(size, budget, batch)
             except PlanError as error:
                 result = error
             chosen = _rank_zero_plan(result, input)
         else:
-            chosen = frontier.plan_for(size, budget)
+            chosen = frontier.plan_for(size, budget, batch)
         _AUTO_CACHE[key] = (frontier, chosen)
         if len(_AUTO_CACHE) > _AUTO_CACHE_SIZE:
             _AUTO_CACHE.popitem(last=False)
@@ -600,8 +613,10 @@ class _PeakCheck:
 
     current: _PeakCheck | None = None  # at most one open, the latest
 
-    def __init__(self, frontier: Frontier, size: int, plan: Plan, device: Any) -> None:
-        self.frontier, self.size, self.plan = frontier, size, plan
+    def __init__(
+        self, frontier: Frontier, shape: tuple[int, int | None], plan: Plan, device: Any
+    ) -> None:
+        self.frontier, self.shape, self.plan = frontier, shape, plan
         self.observed = False
         self.stack = ExitStack()
         self.stats: MemoryStats = self.stack.enter_context(track_memory(device))
@@ -615,7 +630,8 @@ class _PeakCheck:
         """At the end of the backward: compare the peak with the prediction."""
         self.observed = True
         AUTO_STATS.checks += 1
-        if self.frontier.observe(self.size, self.stats.peak_so_far(), self.plan):
+        size, batch = self.shape
+        if self.frontier.observe(size, self.stats.peak_so_far(), self.plan, batch):
             AUTO_STATS.drifts += 1
         if self.stats.device.type == "cuda":
             self.close()
@@ -686,8 +702,9 @@ def auto_step(
     peak checked against the frontier's prediction (a drift beyond the
     frontier's tolerance makes the next batch of that size profile again)."""
     size = input_size(input)
-    frontier = auto_frontier(chain, input, size)
-    plan = _auto_choice(frontier, chain, input, size, memory_budget)
+    batch = input_batch(input)
+    frontier = auto_frontier(chain, input, size, batch)
+    plan = _auto_choice(frontier, chain, input, size, batch, memory_budget)
     if torch.compiler.is_compiling():
         return run(plan)
     if _PeakCheck.current is not None:  # observed on the CPU, or no backward
@@ -700,11 +717,11 @@ def auto_step(
     if (
         device is None
         or device.type not in AUTO_CHECK_DEVICES
-        or not frontier.first_of_class(size)
+        or not frontier.first_of_class(size, batch)
     ):
         out = run(plan)
     else:
-        check = _PeakCheck(frontier, size, plan, device)
+        check = _PeakCheck(frontier, (size, batch), plan, device)
         _PeakCheck.current = check
         try:
             out = run(plan)
