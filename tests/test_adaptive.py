@@ -9,12 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import seqckpt
 from seqckpt.executor import run_plan
 from seqckpt.planner import ChainProfile, PlanError, Run
-from seqckpt.planner.adaptive import HEADROOM, Frontier, input_size
+from seqckpt.planner.adaptive import HEADROOM, Frontier, _fit, input_size
 from seqckpt.planner.cost import CostModel
 from seqckpt.planner.frontier import measure_peak
 from seqckpt.planner.planning import AUTO_STATS
@@ -695,6 +697,46 @@ def test_other_lengths_keep_the_budget_where_bytes_grow_faster_than_them(
             assert length > reference  # refused before it ran (but profiled)
             continue
         assert peak <= budget, length
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    profiles=st.lists(
+        st.tuples(st.integers(1, 32), st.integers(1, 512)), min_size=1, max_size=6
+    ),
+    query=st.tuples(st.integers(1, 32), st.integers(1, 512)),
+    terms=st.tuples(*[st.floats(0, 1e3) for _ in range(3)]),
+)
+def test_the_fit_is_exact_for_bytes_of_its_form(
+    profiles: list[tuple[int, int]],
+    query: tuple[int, int],
+    terms: tuple[float, float, float],
+) -> None:
+    # Bytes c + a*size + b*size*length: where the fit weighs profiles, a
+    # constant stays constant (weights summing to one), and a plane through
+    # three profiles, or a line through two of the query's size, is exact.
+    c, a, b = terms
+    shapes = [(n * length, n) for n, length in dict.fromkeys(profiles)]
+    size, batch = query[0] * query[1], query[0]
+
+    def bytes_at(x: int, n: int) -> float:
+        return c + a * x + b * x * (x / n)
+
+    used, weights = _fit(shapes, size, batch)
+    assert used and all(0 <= k < len(shapes) for k in used)
+    if weights is None:
+        return
+    assert sum(weights) == pytest.approx(1.0, abs=1e-6)
+    if len(used) == 3 or all(shapes[k][0] == size for k in used):
+        scale = sum(
+            abs(w) * bytes_at(*shapes[k]) for w, k in zip(weights, used, strict=True)
+        )
+        predicted = sum(
+            w * bytes_at(*shapes[k]) for w, k in zip(weights, used, strict=True)
+        )
+        assert predicted == pytest.approx(
+            bytes_at(size, batch), abs=1e-6 * scale + 1e-6
+        )
 
 
 def test_a_size_a_quarter_above_two_profiled_ones_keeps_the_budget() -> None:

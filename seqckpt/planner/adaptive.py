@@ -265,15 +265,13 @@ def _fit(
         return everyone, None
     length = size / batch
     if max(size, *sizes) < _SECOND_PROFILE * min(size, *sizes):  # one size
-        nearest = sorted(
-            everyone, key=lambda k: abs(lengths[k] * sizes[k] - length * size)
-        )
+        q = [x * n for x, n in zip(sizes, lengths, strict=True)]
+        nearest = sorted(everyone, key=lambda k: abs(q[k] - length * size))
         i = nearest[0]
-        j = next((k for k in nearest if not _same(lengths[k], lengths[i])), None)
+        j = next((k for k in nearest if not _same(q[k], q[i])), None)
         if j is None:
             return [i], None
-        qi, qj = sizes[i] * lengths[i], sizes[j] * lengths[j]
-        t = (size * length - qi) / (qj - qi)
+        t = (size * length - q[i]) / (q[j] - q[i])
         return [i, j], [1 - t, t]
     if max(sizes) < _SECOND_PROFILE * min(sizes):  # another size than the profiles'
         return [min(everyone, key=lambda k: abs(math.log(lengths[k] / length)))], None
