@@ -15,6 +15,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt.executor import run_plan
+from seqckpt.models import GPTBlock
 from seqckpt.planner import ChainProfile, PlanError, Run
 from seqckpt.planner.adaptive import HEADROOM, Frontier, _fit, input_size
 from seqckpt.planner.cost import CostModel
@@ -795,9 +796,11 @@ def test_the_fit_reads_the_length_where_batches_and_lengths_vary() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[_SoftmaxAttention(width=32) for _ in range(3)])
 
+    def x(batch: int, length: int) -> torch.Tensor:
+        return torch.randn(batch, length, 32, requires_grad=True)
+
     def profile(batch: int, length: int) -> ChainProfile:
-        x = torch.randn(batch, length, 32, requires_grad=True)
-        return seqckpt.profile(model, x, repeats=1, policies=[None])
+        return seqckpt.profile(model, x(batch, length), repeats=1, policies=[None])
 
     def peak(p: ChainProfile) -> int:
         return CostModel.of(p).total((Run(0, len(p)),))[0]
@@ -814,6 +817,14 @@ def test_the_fit_reads_the_length_where_batches_and_lengths_vary() -> None:
         assert not f.needs_profile(size, batch), (batch, length)
         predicted = peak(f.profile_at(size, batch))
         assert predicted == pytest.approx(peak(profile(batch, length)), rel=0.01)
+    # with scaled_dot_product_attention, bytes per element do not grow with
+    # the length: lengths are profiled again only beyond twice the profiled
+    sdpa = nn.Sequential(*[GPTBlock(32, 4) for _ in range(2)])
+    g = Frontier(
+        [(16 * 64 * 32, seqckpt.profile(sdpa, x(16, 64), repeats=1))], batches=[16]
+    )
+    g.add_profile(8 * 128 * 32, seqckpt.profile(sdpa, x(8, 128), repeats=1), 8)
+    assert not g.needs_profile(4 * 256 * 32, 4) and g.needs_profile(2 * 512 * 32, 2)
     again = Frontier.from_json(f.to_json())
     assert again.batches == [16, 8, 16]
     assert peak(again.profile_at(6 * 100 * 32, 6)) == peak(

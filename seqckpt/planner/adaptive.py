@@ -368,8 +368,10 @@ class Frontier:
         self._stale: set[int] = set()
         self._checked: set[tuple[int, int]] = set()
         # whether bytes grow faster than the size between the two smallest
-        # and between the two largest profiled sizes (see needs_profile)
+        # and between the two largest profiled sizes, and from the shortest
+        # length to the longest (see needs_profile, _new_length)
         self._growth: tuple[bool, bool] | None = None
+        self._length_growth: bool | None = None
         self.solves = 0
 
     def __len__(self) -> int:
@@ -451,7 +453,9 @@ class Frontier:
         more attention bytes: eight softmax-attention blocks profiled at 16x64
         tokens ran 8x128 at 1.36x the budget and 4x256 at 2.42x before
         2026-12-07's eighth session); where they span both, a length more than
-        a quarter beyond theirs (see :func:`_fit`). Unknown batches: False."""
+        a quarter beyond theirs where bytes per element grow with the length
+        (from the shortest profiled to the longest), else more than twice
+        (see :func:`_fit`). Unknown batches: False."""
         if batch is None or any(b is None for b in self.batches):
             return False
         counts = [b for b in self.batches if b is not None]
@@ -465,7 +469,10 @@ class Frontier:
             return False
         if one_length or one_batch:
             return True
-        beyond = _BEYOND_SUPERLINEAR
+        if self._length_growth is None:
+            ordered = sorted(zip(lengths, self.points, strict=True), key=lambda p: p[0])
+            self._length_growth = _superlinear(ordered[0][1], ordered[-1][1])
+        beyond = _BEYOND_SUPERLINEAR if self._length_growth else 2
         return not (min(lengths) <= beyond * length and length <= beyond * max(lengths))
 
     def add_profile(
@@ -487,7 +494,7 @@ class Frontier:
         self.batches = [b for _, b in kept] + [batch]
         self._stale.discard(_size_class(size))
         self._predictions.clear()
-        self._growth = None
+        self._growth = self._length_growth = None
         # The stored plans stay: the new fit ranks them at every size.
 
     def first_of_class(self, size: int, batch: int | None = None) -> bool:
