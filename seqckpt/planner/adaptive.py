@@ -104,6 +104,8 @@ _SECOND_PROFILE = 1.1
 _BEYOND_SUPERLINEAR = 1.25
 # Share of the budget kept free of predicted bytes, for prediction error.
 HEADROOM = 0.01
+# A batch as a frontier reads it: (input_size, input_batch).
+Shape = tuple[int, int | None]
 
 
 def input_size(input: Any) -> int:
@@ -231,9 +233,6 @@ def _shape(input: Any, batch: int | None) -> Shape:
 
 def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
-
-
-Shape = tuple[int, int | None]  # (input size, input batch)
 
 
 def _fit(
