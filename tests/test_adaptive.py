@@ -256,10 +256,9 @@ def test_auto_checks_the_first_step_of_each_size_class(
     model = token_chain()
     budget = 1_200_000
 
-    def step(length: int, extra: int = 0) -> None:
-        out = seqckpt.checkpoint_sequential(
-            model, "auto", tokens(length), memory_budget=budget
-        )
+    def step(length: int, extra: int = 0, batch: int = 4) -> None:
+        x = torch.randn(batch, length, 32, requires_grad=True)
+        out = seqckpt.checkpoint_sequential(model, "auto", x, memory_budget=budget)
         backward_with_loss_grad(_BigBackward.apply(out, extra) if extra else out)
 
     checks, drifts, profiles = AUTO_STATS.checks, AUTO_STATS.drifts, AUTO_STATS.profiles
@@ -276,6 +275,9 @@ def test_auto_checks_the_first_step_of_each_size_class(
     step(140)  # so the next batch of that class is profiled again
     assert AUTO_STATS.profiles == profiled + 1
     assert profiled - profiles <= 3  # 64, one more size, and beyond twice
+    step(32, batch=8)  # the size of 4x64, another batch: measured once
+    step(32, batch=8)
+    assert AUTO_STATS.checks - checks == 3
     step(8)  # a new size class, measured: its CPU tracker stays open until
     assert torch._C._len_torch_dispatch_stack() == 1  # the next step
     seqckpt.checkpoint_sequential(model, "auto", tokens(8), memory_budget=budget)
