@@ -23,6 +23,7 @@ from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner.adaptive import (
     BudgetSource,
     Frontier,
+    Shape,
     budget_now,
     image_sizes,
     input_batch,
@@ -614,7 +615,7 @@ class _PeakCheck:
     current: _PeakCheck | None = None  # at most one open, the latest
 
     def __init__(
-        self, frontier: Frontier, shape: tuple[int, int | None], plan: Plan, device: Any
+        self, frontier: Frontier, shape: Shape, plan: Plan, device: Any
     ) -> None:
         self.frontier, self.shape, self.plan = frontier, shape, plan
         self.observed = False
