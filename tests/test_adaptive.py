@@ -17,11 +17,20 @@ import seqckpt
 from seqckpt.executor import run_plan
 from seqckpt.models import GPTBlock
 from seqckpt.planner import ChainProfile, PlanError, Run
-from seqckpt.planner.adaptive import HEADROOM, Frontier, _fit, input_size
+from seqckpt.planner.adaptive import (
+    HEADROOM,
+    Frontier,
+    _Fit,
+    _fit,
+    _predict,
+    input_size,
+)
 from seqckpt.planner.cost import CostModel
 from seqckpt.planner.frontier import measure_peak
 from seqckpt.planner.planning import AUTO_STATS
 from tests.oracle import assert_matches_plain
+from tests.profiles import chain_profile
+from tests.profiles import layer as synthetic_layer
 
 
 def token_chain() -> nn.Sequential:
@@ -725,21 +734,45 @@ def test_the_fit_is_exact_for_bytes_of_its_form(
     def bytes_at(x: int, n: int) -> float:
         return c + a * x + b * x * (x / n)
 
-    used, weights = _fit(shapes, size, batch)
-    assert used and all(0 <= k < len(shapes) for k in used)
-    if weights is None:
+    fit = _fit(shapes, size, batch)
+    used = [k for k, _ in fit.weights]
+    assert fit.lines or used
+    assert all(0 <= k < len(shapes) for k in (*fit.lines, *used))
+    if not used:
         return
-    assert sum(weights) == pytest.approx(1.0, abs=1e-6)
+    assert sum(w for _, w in fit.weights) == pytest.approx(1.0, abs=1e-6)
     if len(used) == 3 or all(shapes[k][0] == size for k in used):
-        scale = sum(
-            abs(w) * bytes_at(*shapes[k]) for w, k in zip(weights, used, strict=True)
-        )
-        predicted = sum(
-            w * bytes_at(*shapes[k]) for w, k in zip(weights, used, strict=True)
-        )
+        scale = sum(abs(w) * bytes_at(*shapes[k]) for k, w in fit.weights)
+        predicted = sum(w * bytes_at(*shapes[k]) for k, w in fit.weights)
         assert predicted == pytest.approx(
             bytes_at(size, batch), abs=1e-6 * scale + 1e-6
         )
+
+
+def test_one_batch_size_is_not_predicted_under_a_convex_growth_between_profiles() -> (
+    None
+):
+    # Sliding-window attention written out keeps length x window weights:
+    # bytes with the square of the length up to the window, linear beyond
+    # (convex, not a square). The curve through three profiled lengths dips
+    # under such growth between them (at 1.5 windows, 0.96 of the bytes); the
+    # line between two profiled sizes cannot, so bytes take the larger.
+    window = 256
+
+    def profile(length: int) -> ChainProfile:
+        held = length**2 if length <= window else window * (2 * length - window)
+        return chain_profile([synthetic_layer(held + 64 * length) for _ in range(3)])
+
+    f = Frontier([(4 * 128, profile(128))], batches=[4])
+    for length in (256, 512):
+        f.add_profile(4 * length, profile(length), 4)
+    for length in (160, 200, 320, 384, 448):
+        fit = _fit([(4 * 128, 4), (4 * 256, 4), (4 * 512, 4)], 4 * length, 4)
+        truth = profile(length).layers[0].saved_bytes
+        assert f.profile_at(4 * length, 4).layers[0].saved_bytes >= truth, length
+        if length == 384:  # the curve alone
+            curve = _predict(f.points, 4 * length, _Fit(weights=fit.weights))
+            assert curve.layers[0].saved_bytes < 0.97 * truth
 
 
 def _attention_under_half_its_peak(

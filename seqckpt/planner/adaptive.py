@@ -62,7 +62,7 @@ import json
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -151,12 +151,20 @@ def image_sizes(input: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def _line(x: float, points: list[tuple[int, float]]) -> float:
-    """The value at ``x`` of the line through the two points nearest in size
-    (through the origin with one point)."""
+    """The value at ``x`` of the line through the two points around it, or
+    outside them the two nearest in size (through the origin with one
+    point). Between profiled sizes, the points around ``x`` (not merely the
+    two nearest, which can both lie on one side) keep a convex growth under
+    the line: with sizes 100, 128 and 256, 140 is read on 128-256."""
     if len(points) == 1:
         (x0, y0) = points[0]
         return y0 * x / x0
-    (x0, y0), (x1, y1) = sorted(points, key=lambda p: abs(p[0] - x))[:2]
+    below = [p for p in points if p[0] <= x]
+    above = [p for p in points if p[0] >= x]
+    if below and above:
+        (x0, y0), (x1, y1) = max(below), min(above)
+    else:
+        (x0, y0), (x1, y1) = sorted(points, key=lambda p: abs(p[0] - x))[:2]
     if x0 == x1:
         return y0
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
@@ -184,28 +192,38 @@ def _seconds_at(x: int, points: list[tuple[int, float]]) -> float:
     return max(_TIME_FLOOR * min(y for _, y in points), _line(x, points))
 
 
+class _Fit(NamedTuple):
+    """How a batch's figures are predicted from the profiles (see
+    :func:`_fit`): on the lines in the size through the profiles ``lines``
+    (:func:`_bytes_at`), as the sum of the profiles' figures times
+    ``weights`` ((profile, weight) pairs), or, with both, bytes as the larger
+    of the two and times on the lines."""
+
+    lines: tuple[int, ...] = ()
+    weights: tuple[tuple[int, float], ...] = ()
+
+
 def _predict(
-    points: list[tuple[int, ChainProfile]],
-    size: int,
-    weights: list[float] | None = None,
+    points: list[tuple[int, ChainProfile]], size: int, fit: _Fit
 ) -> ChainProfile:
-    """Every figure of every layer at ``size``, from the measured profiles:
-    on the lines in the size through them (see :func:`_bytes_at`), or with
-    ``weights`` (one per profile, see :func:`_fit`), as their weighted sum."""
-    xs = [x for x, _ in points]
+    """Every figure of every layer at ``size``, from the measured profiles."""
 
     def bytes_at(values: list[int]) -> int:
-        if weights is None:
-            return _bytes_at(size, list(zip(xs, values, strict=True)))
-        return max(
-            0, math.ceil(sum(w * v for w, v in zip(weights, values, strict=True)))
-        )
+        found = []
+        if fit.lines:
+            found.append(
+                _bytes_at(size, [(points[k][0], values[k]) for k in fit.lines])
+            )
+        if fit.weights:
+            weighted = sum(w * values[k] for k, w in fit.weights)
+            found.append(max(0, math.ceil(weighted)))
+        return max(found)
 
     def seconds_at(values: list[float]) -> float:
-        if weights is None:
-            return _seconds_at(size, list(zip(xs, values, strict=True)))
-        weighted = sum(w * v for w, v in zip(weights, values, strict=True))
-        return max(_TIME_FLOOR * min(values), weighted)
+        if fit.lines:
+            return _seconds_at(size, [(points[k][0], values[k]) for k in fit.lines])
+        weighted = sum(w * values[k] for k, w in fit.weights)
+        return max(_TIME_FLOOR * min(values[k] for k, _ in fit.weights), weighted)
 
     layers = []
     template = points[0][1]
@@ -242,33 +260,31 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
 
 
-def _fit(
-    shapes: Sequence[Shape], size: int, batch: int | None
-) -> tuple[list[int], list[float] | None]:
-    """Which profiles (at ``shapes``) predict the figures of a batch of
-    ``size`` elements and ``batch`` samples, and how: (indices, None) for the
-    lines in the size through those (:func:`_bytes_at`), or (indices,
-    weights) for the weighted sum of their figures.
+def _fit(shapes: Sequence[Shape], size: int, batch: int | None) -> _Fit:
+    """How the profiles (at ``shapes``) predict the figures of a batch of
+    ``size`` elements and ``batch`` samples.
 
     A figure is taken as c + a*size + b*size*length, where length is the size
     of one sample: attention that keeps its softmax weights holds
     batch x length² = size x length elements. Profiles of one length (a
-    growing batch) are told apart by their size alone: the lines in the
-    size, as are batches of unknown count and two profiles of one count.
-    Profiles of several lengths at one size (within a tenth; token-budget
-    batching: 16x64 and 8x128 tokens) give, at that size, the line in
-    size x length through the two nearest; at another size, the lines
-    through the profile of the nearest length. Otherwise (three profiles of
-    one count make a curve in the size) the plane through the three profiles
-    whose weights are smallest (at most one in all between them)."""
-    everyone = list(range(len(shapes)))
+    growing batch), or of unknown counts: the lines in the size. Profiles of
+    several lengths at one size (within a tenth; token-budget batching: 16x64
+    and 8x128 tokens): at that size, the line in size x length through the
+    two nearest; at another size, the lines through the profile of the
+    nearest length. Otherwise the plane through the three profiles whose
+    weights are smallest (at most one in all between them); where all the
+    profiles share one count, bytes take the larger of the plane and the
+    lines in the size (a curve through three sizes can dip under a convex
+    growth that is not a square, as sliding-window attention's, between them;
+    the lines there cannot), and times the lines."""
+    everyone = tuple(range(len(shapes)))
     if batch is None or any(b is None for _, b in shapes):
-        return everyone, None
+        return _Fit(lines=everyone)
     counts = [b for _, b in shapes if b is not None]
     sizes = [x for x, _ in shapes]
     lengths = [x / b for x, b in zip(sizes, counts, strict=True)]
     if all(_same(n, lengths[0]) for n in lengths):
-        return everyone, None
+        return _Fit(lines=everyone)
     length = size / batch
     if max(size, *sizes) < _SECOND_PROFILE * min(size, *sizes):  # one size
         q = [x * n for x, n in zip(sizes, lengths, strict=True)]
@@ -276,15 +292,17 @@ def _fit(
         i = nearest[0]
         j = next((k for k in nearest if not _same(q[k], q[i])), None)
         if j is None:
-            return [i], None
+            return _Fit(lines=(i,))
         t = (size * length - q[i]) / (q[j] - q[i])
-        return [i, j], [1 - t, t]
+        return _Fit(weights=((i, 1 - t), (j, t)))
     if max(sizes) < _SECOND_PROFILE * min(sizes):  # another size than the profiles'
-        return [min(everyone, key=lambda k: abs(math.log(lengths[k] / length)))], None
+        return _Fit(
+            lines=(min(everyone, key=lambda k: abs(math.log(lengths[k] / length))),)
+        )
     # the plane, in sizes and size x length relative to the query's
     u = [x / size for x in sizes]
     v = [x * n / (size * length) for x, n in zip(sizes, lengths, strict=True)]
-    best: tuple[float, list[int], list[float]] | None = None
+    best: tuple[float, tuple[tuple[int, float], ...]] | None = None
     near = sorted(everyone, key=lambda k: math.log(u[k]) ** 2 + math.log(v[k]) ** 2)
     for i, j, k in itertools.combinations(near[:8], 3):
         d = (u[j] - u[i]) * (v[k] - v[i]) - (u[k] - u[i]) * (v[j] - v[i])
@@ -292,13 +310,13 @@ def _fit(
             continue
         wj = ((1 - u[i]) * (v[k] - v[i]) - (u[k] - u[i]) * (1 - v[i])) / d
         wk = ((u[j] - u[i]) * (1 - v[i]) - (1 - u[i]) * (v[j] - v[i])) / d
-        w = [1 - wj - wk, wj, wk]
-        score = sum(abs(x) for x in w)
+        score = abs(1 - wj - wk) + abs(wj) + abs(wk)
         if best is None or score < best[0]:
-            best = (score, [i, j, k], w)
+            best = (score, ((i, 1 - wj - wk), (j, wj), (k, wk)))
     if best is None:
-        return everyone, None
-    return best[1], best[2]
+        return _Fit(lines=everyone)
+    one_count = all(b == counts[0] for b in counts)
+    return _Fit(lines=everyone if one_count else (), weights=best[1])
 
 
 def _superlinear(low: tuple[int, ChainProfile], high: tuple[int, ChainProfile]) -> bool:
@@ -411,8 +429,7 @@ class Frontier:
             shapes = [
                 (x, b) for (x, _), b in zip(self.points, self.batches, strict=True)
             ]
-            used, weights = _fit(shapes, size, batch)
-            profile = _predict([self.points[k] for k in used], size, weights)
+            profile = _predict(self.points, size, _fit(shapes, size, batch))
             found = self._predictions[(size, batch)] = (profile, CostModel.of(profile))
         return found
 
