@@ -749,9 +749,7 @@ def test_the_fit_is_exact_for_bytes_of_its_form(
         )
 
 
-def test_one_batch_size_is_not_predicted_under_a_convex_growth_between_profiles() -> (
-    None
-):
+def test_one_batch_size_is_not_predicted_under_convex_growth() -> None:
     # Sliding-window attention written out keeps length x window weights:
     # bytes with the square of the length up to the window, linear beyond
     # (convex, not a square). The curve through three profiled lengths dips
