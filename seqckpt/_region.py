@@ -758,7 +758,7 @@ def _undo_version_moves(
     recompute (an optimizer step) are reported."""
     if now == versions:
         return
-    moved = [i for i, (a, b) in enumerate(zip(now, versions)) if a != b]  # noqa: B905
+    moved = [i for i, (a, b) in enumerate(zip(now, versions, strict=True)) if a != b]
     torch._C._autograd._unsafe_set_version_counter(
         tuple(tensors[i] for i in moved), tuple(versions[i] for i in moved)
     )

@@ -260,6 +260,14 @@ def _same(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
 
 
+def _lengths(shapes: Sequence[Shape]) -> list[float] | None:
+    """Each profile's length (its size per sample), or None where some
+    profile's batch is unknown."""
+    if any(b is None for _, b in shapes):
+        return None
+    return [x / b for x, b in shapes if b is not None]
+
+
 def _fit(shapes: Sequence[Shape], size: int, batch: int | None) -> _Fit:
     """How the profiles (at ``shapes``) predict the figures of a batch of
     ``size`` elements and ``batch`` samples.
@@ -278,13 +286,10 @@ def _fit(shapes: Sequence[Shape], size: int, batch: int | None) -> _Fit:
     growth that is not a square, as sliding-window attention's, between them;
     the lines there cannot), and times the lines."""
     everyone = tuple(range(len(shapes)))
-    if batch is None or any(b is None for _, b in shapes):
+    lengths = _lengths(shapes)
+    if batch is None or lengths is None or all(_same(n, lengths[0]) for n in lengths):
         return _Fit(lines=everyone)
-    counts = [b for _, b in shapes if b is not None]
     sizes = [x for x, _ in shapes]
-    lengths = [x / b for x, b in zip(sizes, counts, strict=True)]
-    if all(_same(n, lengths[0]) for n in lengths):
-        return _Fit(lines=everyone)
     length = size / batch
     if max(size, *sizes) < _SECOND_PROFILE * min(size, *sizes):  # one size
         q = [x * n for x, n in zip(sizes, lengths, strict=True)]
@@ -315,7 +320,7 @@ def _fit(shapes: Sequence[Shape], size: int, batch: int | None) -> _Fit:
             best = (score, ((i, 1 - wj - wk), (j, wj), (k, wk)))
     if best is None:
         return _Fit(lines=everyone)
-    one_count = all(b == counts[0] for b in counts)
+    one_count = all(b == shapes[0][1] for _, b in shapes)
     return _Fit(lines=everyone if one_count else (), weights=best[1])
 
 
@@ -426,12 +431,13 @@ class Frontier:
         if found is None:
             if len(self._predictions) > 256:
                 self._predictions.clear()
-            shapes = [
-                (x, b) for (x, _), b in zip(self.points, self.batches, strict=True)
-            ]
-            profile = _predict(self.points, size, _fit(shapes, size, batch))
+            fit = _fit(self._shapes(), size, batch)
+            profile = _predict(self.points, size, fit)
             found = self._predictions[(size, batch)] = (profile, CostModel.of(profile))
         return found
+
+    def _shapes(self) -> list[Shape]:
+        return [(x, b) for (x, _), b in zip(self.points, self.batches, strict=True)]
 
     def needs_profile(self, size: int, batch: int | None = None) -> bool:
         """Whether a batch of ``size`` elements (in ``batch`` samples, where
@@ -480,15 +486,14 @@ class Frontier:
         a quarter beyond theirs where bytes per element grow with the length
         (from the shortest profiled to the longest), else more than twice
         (see :func:`_fit`). Unknown batches: False."""
-        if batch is None or any(b is None for b in self.batches):
+        lengths = _lengths(self._shapes())
+        if batch is None or lengths is None:
             return False
-        counts = [b for b in self.batches if b is not None]
-        lengths = [x / b for (x, _), b in zip(self.points, counts, strict=True)]
         length = size / batch
         one_length = all(_same(n, lengths[0]) for n in lengths)
-        one_batch = all(b == counts[0] for b in counts)
+        one_batch = all(b == self.batches[0] for b in self.batches)
         if (one_length and _same(length, lengths[0])) or (
-            one_batch and batch == counts[0]
+            one_batch and batch == self.batches[0]
         ):
             return False
         if one_length or one_batch:
