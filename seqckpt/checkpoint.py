@@ -285,6 +285,11 @@ def run_region(
     ``generators``: ``torch.Generator`` objects the caller found on the way to
     ``modules`` (a plain callable's closure), replayed with those found here."""
     if torch.compiler.is_compiling():
+        if _is_exporting():
+            # torch.export records the plain forward (what torch's checkpoint
+            # gives under non-strict export; under strict export torch 2.13's
+            # checkpoint operator fails, a KeyError on '_checkpoint_context_fn')
+            return function(*args, **kwargs)
         return _compiled_checkpoint(function, args, kwargs, options)
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
@@ -412,6 +417,8 @@ def _compiled_checkpoint(
     )
     return result
 
+
+_is_exporting: Callable[[], bool] = torch.compiler.is_exporting
 
 _FUNCTORCH = torch._C._functorch
 _peek_transform: Callable[[], Any] = getattr(

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
 from tests.oracle import assert_matches_plain
 
@@ -216,6 +217,33 @@ def test_export_in_eval_mode() -> None:
     exported = torch.export.export(model, (x,))
     assert torch.equal(exported.module()(x), model(x))
     assert list(exported.state_dict) == list(model.state_dict())
+
+
+class _CheckpointsOneBlock(nn.Module):
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+        self.head = nn.Linear(16, 16)
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(seqckpt.checkpoint(self.block, x, policy=self.policy))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strict", [True, False])
+def test_export_in_training_mode_records_the_plain_forward(strict: bool) -> None:
+    """A model in training mode whose forward checkpoints exports as its plain
+    forward, strictly too, where torch 2.13's checkpoint fails (its operator
+    reads a context function that only selective checkpointing sets)."""
+    for policy in (None, "compute_heavy"):
+        model = _CheckpointsOneBlock(policy)
+        x = torch.randn(4, 16)
+        exported = torch.export.export(model, (x,), strict=strict)
+        assert torch.equal(exported.module()(x), model(x))
+        ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
+        assert ops == {"aten.linear.default", "aten.gelu.default"}
 
 
 def test_names_and_flags_compile_without_graph_breaks() -> None:
