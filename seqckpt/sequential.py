@@ -90,11 +90,11 @@ def _check_budget_use(segments: object, memory_budget: object) -> None:
 
 
 def checkpoint_sequential(
-    modules: Chain,
+    functions: Chain,
     segments: Segments,
     input: Any,
-    *,
     use_reentrant: bool | None = None,
+    *,
     preserve_rng_state: bool = True,
     determinism_check: DeterminismCheck = "default",
     context_fn: ContextFn | None = None,
@@ -106,11 +106,12 @@ def checkpoint_sequential(
 ) -> Any:
     """Run a chain of modules with all but its last segment checkpointed.
 
-    Takes the arguments of ``torch.utils.checkpoint.checkpoint_sequential``
-    (``use_reentrant`` is accepted and ignored, as in :func:`seqckpt.checkpoint`).
+    Takes the arguments of ``torch.utils.checkpoint.checkpoint_sequential``,
+    named and placed as torch's (``use_reentrant`` is accepted and ignored, as
+    in :func:`seqckpt.checkpoint`).
 
     Args:
-        modules: an ``nn.Sequential``, ``nn.ModuleList``, or a list or tuple of
+        functions: the chain: an ``nn.Sequential``, ``nn.ModuleList``, or a list or tuple of
             modules or plain callables. A nested ``nn.Sequential`` is one item.
         segments: an int ``k`` (1 <= k <= number of modules): ``k`` contiguous
             segments whose sizes differ by at most one, smaller ones first (torch
@@ -146,7 +147,7 @@ def checkpoint_sequential(
         those of the plain run on CPU.
 
     Raises:
-        TypeError: ``modules`` or ``segments`` of a wrong type, a non-callable item.
+        TypeError: ``functions`` or ``segments`` of a wrong type, a non-callable item.
         ValueError: an empty chain, ``segments`` out of range or sizes that do not
             sum to the number of modules.
 
@@ -158,7 +159,7 @@ def checkpoint_sequential(
         >>> y = seqckpt.checkpoint_sequential(model, [3, 2, 1], x)
         >>> y.sum().backward()
     """
-    chain = as_chain(modules)
+    chain = as_chain(functions, "functions")
     options = make_options(
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,

@@ -113,10 +113,10 @@ def _checkpoint_in_block(function: Any = None, *args: Any, **kwargs: Any) -> Any
 
 @functools.wraps(checkpoint_sequential)
 def _checkpoint_sequential_in_block(
-    functions: Any, segments: Any, input: Any, **kwargs: Any
+    functions: Any, segments: Any, input: Any, use_reentrant: Any = None, **kwargs: Any
 ) -> Any:
     return checkpoint_sequential(
-        functions, segments, input, **_with_block_options(kwargs)
+        functions, segments, input, use_reentrant, **_with_block_options(kwargs)
     )
 
 

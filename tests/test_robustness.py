@@ -487,7 +487,7 @@ def test_backward_twice_without_retain_graph_raises() -> None:
     "modules", [3, {"a": nn.Linear(2, 2)}, nn.Linear(2, 2), (m for m in [])]
 )
 def test_modules_of_wrong_type(modules: object) -> None:
-    with pytest.raises(TypeError, match=r"^seqckpt: argument 'modules'"):
+    with pytest.raises(TypeError, match=r"^seqckpt: argument 'functions'"):
         checkpoint_sequential(modules, 1, torch.randn(2, 2))  # type: ignore[arg-type]
 
 

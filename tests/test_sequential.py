@@ -181,9 +181,9 @@ def test_plan_for_another_chain_is_rejected() -> None:
 def test_bad_chains() -> None:
     with pytest.raises(ValueError, match="^seqckpt: .*empty chain"):
         checkpoint_sequential([], 1, torch.randn(1))
-    with pytest.raises(TypeError, match=r"^seqckpt: modules\[1\] is not callable: 3"):
+    with pytest.raises(TypeError, match=r"^seqckpt: functions\[1\] is not callable: 3"):
         checkpoint_sequential([nn.Identity(), 3], 1, torch.randn(1))
-    with pytest.raises(TypeError, match="^seqckpt: argument 'modules'.*dict"):
+    with pytest.raises(TypeError, match="^seqckpt: argument 'functions'.*dict"):
         checkpoint_sequential({"a": nn.Identity()}, 1, torch.randn(1))  # type: ignore[arg-type]
 
 

@@ -55,6 +55,15 @@ def library_sequential(model: nn.Module, x: torch.Tensor) -> Any:
     )
 
 
+def library_sequential_torchs_forms(model: nn.Module, x: torch.Tensor) -> Any:
+    """torch's other call forms: the chain as ``functions=``, and
+    ``use_reentrant`` as a fourth positional argument."""
+    y = torch.utils.checkpoint.checkpoint_sequential(
+        functions=model[:2], segments=2, input=x, use_reentrant=False
+    )
+    return torch.utils.checkpoint.checkpoint_sequential(model[2:], 1, y, False)
+
+
 def seqckpts_inside() -> bool:
     """torch's names run seqckpt's functions (wrapped to add a block's options)."""
     module = torch.utils.checkpoint
@@ -108,7 +117,10 @@ def test_blocks_open_in_two_threads_give_torchs_back_when_the_last_ends() -> Non
     assert torch.utils.checkpoint.checkpoint_sequential is TORCH_CHECKPOINT_SEQUENTIAL
 
 
-@pytest.mark.parametrize("library", [library_every_block, library_sequential])
+@pytest.mark.parametrize(
+    "library",
+    [library_every_block, library_sequential, library_sequential_torchs_forms],
+)
 def test_library_calls_run_seqckpt_and_match_the_plain_run(library: Any) -> None:
     probe = SeesCheckpointing()
     model = nn.Sequential(probe, nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))

@@ -843,6 +843,21 @@ def test_checkpoint_sequential_with_autograd_grad_create_graph() -> None:
     assert torch.equal(got[0], ref[0]) and got[0].requires_grad
 
 
+def test_checkpoint_sequential_takes_torchs_argument_names_and_places() -> None:
+    """As torch's: the chain passed as ``functions=``, and ``use_reentrant``
+    as a fourth positional argument (both found at real call sites)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    for call in (
+        lambda: checkpoint_sequential(functions=model, segments=2, input=x),
+        lambda: checkpoint_sequential(model, 2, x, False),
+        lambda: checkpoint_sequential(model, 2, x, True, preserve_rng_state=False),
+    ):
+        assert torch.equal(call(), model(x))
+    with pytest.raises(TypeError, match="use_reentrant"):
+        checkpoint_sequential(model, 2, x, "yes")  # type: ignore[arg-type]
+
+
 def test_checkpoint_sequential_takes_one_input() -> None:
     with pytest.raises(TypeError):
         checkpoint_sequential(
