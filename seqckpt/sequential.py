@@ -179,6 +179,28 @@ def checkpoint_sequential(
     return run_segments(segments, chain, input, memory_budget, chosen, options)
 
 
+def _fitted(segments: Segments, n: int) -> Segments:
+    """A :class:`CheckpointedSequential`'s ``segments`` for its ``n`` modules
+    now: a count capped at ``n``, as for a slice; sizes or a plan made for
+    another length (the chain was changed in place since) raise, saying so."""
+    if isinstance(segments, int):
+        return min(segments, n)
+    covers = (
+        segments.stop
+        if isinstance(segments, Plan)
+        else sum(s for s in segments if isinstance(s, int))
+    )
+    if covers == n:
+        return segments
+    what = "plan" if isinstance(segments, Plan) else f"sizes {list(segments)}"
+    raise ValueError(
+        f"seqckpt: this CheckpointedSequential has {n} modules now, but its "
+        f"segments ({what}) cover {covers}: the chain changed after they were "
+        "set (append, insert, extend, pop, del). Set its segments for the chain "
+        f"as it is (sizes summing to {n}, a count, or None for the default)."
+    )
+
+
 class CheckpointedSequential(nn.Sequential):
     """An ``nn.Sequential`` whose forward is checkpointed while training.
 
@@ -196,7 +218,10 @@ class CheckpointedSequential(nn.Sequential):
     ``+`` and ``*``, and a slice in training mode with default options); a
     segment count carries over, capped at the new length, as does ``"auto"``,
     while segment sizes and plans, made for the whole chain, fall back to the
-    default. In ``eval()`` mode or without grad its forward is exactly
+    default. Changed in place (``append``, ``insert``, ``extend``, ``pop``,
+    ``del``), it keeps its segments: a count is capped at the new length,
+    sizes or a plan for the old length raise until ``segments`` is set again.
+    In ``eval()`` mode or without grad its forward is exactly
     ``nn.Sequential.forward``.
 
     Example:
@@ -329,6 +354,8 @@ class CheckpointedSequential(nn.Sequential):
                     "recompute it whole.",
                     stacklevel=2,
                 )
+        elif segments != "auto":
+            segments = _fitted(segments, len(chain))
         token = (
             None  # (dynamo cannot trace the context variable)
             if torch.compiler.is_compiling()

@@ -11,6 +11,7 @@ from torch import nn
 import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
 from seqckpt.planner import Plan, PlanError, Recompute, Run
+from seqckpt.planner.tree import plan_from_sizes
 from tests.oracle import assert_matches_plain
 
 
@@ -241,6 +242,27 @@ def test_slices_sums_and_products_keep_the_configuration() -> None:
     assert_matches_plain(
         head, x, lambda m, x: m(x), plain=lambda m, x: nn.Sequential.forward(m, x)
     )
+
+
+def test_a_chain_changed_in_place_keeps_its_segments_where_they_fit() -> None:
+    x = torch.randn(5, 6, requires_grad=True)
+    shrunk = CheckpointedSequential(*chain(6), segments=6)
+    del shrunk[0]
+    shrunk.pop(0)  # a count is capped at the new length, as for a slice
+    assert_matches_plain(
+        shrunk, x, lambda m, x: m(x), plain=lambda m, x: nn.Sequential.forward(m, x)
+    )
+    for given in ([3, 2, 1], plan_from_sizes([3, 2, 1])):
+        grown = CheckpointedSequential(*chain(6), segments=given)
+        grown.append(nn.Tanh())
+        with pytest.raises(
+            ValueError, match=r"^seqckpt: .* has 7 modules now, .* cover 6: .*append"
+        ):
+            grown(x)
+        grown.segments = [4, 3]
+        assert_matches_plain(
+            grown, x, lambda m, x: m(x), plain=lambda m, x: nn.Sequential.forward(m, x)
+        )
 
 
 def test_checkpointed_sequential_eval_and_no_grad_are_plain() -> None:
