@@ -331,6 +331,14 @@ def names(*selected: str) -> Policy:
     return Policy(names=frozenset(selected))
 
 
+# where a caller meant ``policy=`` for the function (torch's checkpoint passes
+# every keyword it does not know on to it)
+_FOR_THE_FUNCTION = (
+    " If it is an argument of the checkpointed function, bind it first: "
+    "seqckpt.checkpoint(functools.partial(function, policy=...), x)."
+)
+
+
 def as_policy(policy: object) -> Policy | None:
     """Any accepted form of ``policy=`` as a :class:`Policy` (or None)."""
     if policy is None or isinstance(policy, Policy):
@@ -343,7 +351,15 @@ def as_policy(policy: object) -> Policy | None:
         raise ValueError(
             f"seqckpt: argument 'policy' must be None, {', '.join(map(repr, POLICIES))}, "
             f"an aten op or a collection of them, seqckpt.policies.names(...) or a "
-            f"callable, got {policy!r}."
+            f"callable, got {policy!r}." + _FOR_THE_FUNCTION
+        )
+    if isinstance(policy, (torch.nn.Module, torch.Tensor)):
+        # a module is callable and may be iterable: it would pass for a policy
+        raise TypeError(
+            "seqckpt: argument 'policy' is what a region keeps (None, "
+            "'compute_heavy', aten ops, seqckpt.policies.names(...) or a callable "
+            f"(op, *args, **kwargs) -> bool), got a {type(policy).__name__}."
+            + _FOR_THE_FUNCTION
         )
     if isinstance(policy, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         # one op: a packet iterates over its overload names, an overload is

@@ -742,8 +742,13 @@ def test_checkpoint_sequential_applies_the_policy_to_every_segment() -> None:
 @pytest.mark.parametrize(
     ("policy", "error", "pattern"),
     [
-        ("fastest", ValueError, "argument 'policy'"),
+        ("fastest", ValueError, "argument 'policy'.*functools.partial"),
         (3, TypeError, "argument 'policy'"),
+        # meant for the function (torch's checkpoint passes it on): a module is
+        # callable and would pass for a callable policy
+        (nn.Linear(2, 2), TypeError, "got a Linear. .*bind it first"),
+        (nn.Sequential(nn.Linear(2, 2)), TypeError, "got a Sequential"),
+        (torch.ones(2), TypeError, "got a Tensor"),
         ([3], TypeError, "aten ops"),
         (["addmm"], ValueError, "'aten::addmm'"),
     ],
