@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -256,9 +257,87 @@ def tp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
     _exit_cleanly()
 
 
+class _Residual(nn.Module):
+    """A residual block, the unit FSDP1 wraps; ``checkpoint``: how its
+    forward calls its body (None: plainly)."""
+
+    def __init__(self, body: nn.Module, checkpoint: Any = None) -> None:
+        super().__init__()
+        self.body = body
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.body
+        return x + (self.checkpoint(body, x) if self.checkpoint else body(x))
+
+
+def fsdp1_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
+    """FSDP1 (``FullyShardedDataParallel``, as accelerate and Lightning wrap),
+    one unit per block, two steps: seqckpt inside each block's forward,
+    through torch's ``checkpoint_wrapper`` applied after wrapping, or a
+    ``CheckpointedSequential`` around the units; gradients bitwise those of
+    plain FSDP1 on the same ranks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    def blocks(checkpoint: Any = None) -> nn.Sequential:
+        return nn.Sequential(*(_Residual(block, checkpoint) for block in _model()[:4]))
+
+    def sharded(model: nn.Module) -> nn.Module:
+        return FSDP(
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({_Residual}),
+            device_id=torch.device("cpu"),  # (FSDP1 wants an accelerator else)
+            **options,
+        )
+
+    _init(rank, port)
+    try:
+        half = _batch().chunk(2)[rank].clone()
+        if kind == "inside":
+            model = sharded(blocks(seqckpt.checkpoint))
+        elif kind == "wrapper":
+            model = sharded(blocks())
+            apply_activation_checkpointing(
+                model,
+                checkpoint_wrapper_fn=partial(
+                    checkpoint_wrapper, checkpoint_fn=seqckpt.checkpoint
+                ),
+                check_fn=lambda m: isinstance(m, _Residual),
+            )
+        else:
+            stack = seqckpt.CheckpointedSequential.from_sequential(blocks(), segments=2)
+            model = sharded(stack)
+        grads = []
+        for m in (sharded(blocks()), model):
+            for _ in range(2):
+                m.zero_grad(set_to_none=True)
+                m(half.clone().requires_grad_()).pow(2).mean().backward()
+            # this rank's shards (None where a parameter has none here)
+            grads.append([p.grad for p in m.parameters()])
+        assert any(g is not None for g in grads[0])
+        for i, (got, plain) in enumerate(zip(grads[1], grads[0], strict=True)):
+            if plain is None:
+                assert got is None, f"rank {rank} fsdp1 {kind}: grad {i} not None"
+                continue
+            assert got is not None and torch.equal(got, plain), (
+                f"rank {rank} fsdp1 {kind} {options}: grad {i} differs from plain "
+                f"FSDP1 by {(got - plain).abs().max().item() if got is not None else got}"
+            )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    _exit_cleanly()
+
+
 WORKERS: dict[str, Callable[..., None]] = {
     "ddp": ddp_worker,
     "fsdp": fsdp_worker,
+    "fsdp1": fsdp1_worker,
     "auto": auto_worker,
     "tp": tp_worker,
 }

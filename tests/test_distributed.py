@@ -1,4 +1,4 @@
-"""DDP, FSDP2 and tensor parallelism with checkpointed models: 2 processes on gloo, started here.
+"""DDP, FSDP1, FSDP2 and tensor parallelism with checkpointed models: 2 processes on gloo, started here.
 
 Each case spawns two processes on a free localhost port, bounded in time; a
 failing or hanging case kills both and fails with the worker's error.
@@ -71,6 +71,12 @@ def test_ddp_gradients_equal_a_single_process(
 @pytest.mark.parametrize("kind", ["module", "plan", "blocks"])
 def test_fsdp2_gradients_equal_plain_fsdp2(kind: str) -> None:
     run_two_ranks("fsdp", kind, {})
+
+
+@pytest.mark.parametrize("kind", ["inside", "wrapper", "around"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_gradients_equal_plain_fsdp1(kind: str, use_orig_params: bool) -> None:
+    run_two_ranks("fsdp1", kind, {"use_orig_params": use_orig_params})
 
 
 @pytest.mark.parametrize("kind", sorted(TP_POLICIES))
