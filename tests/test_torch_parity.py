@@ -858,6 +858,31 @@ def test_checkpoint_sequential_takes_torchs_argument_names_and_places() -> None:
         checkpoint_sequential(model, 2, x, "yes")  # type: ignore[arg-type]
 
 
+def test_flop_counter_and_fake_tensors_see_what_torchs_checkpoint_shows() -> None:
+    """Tools that run a step under a dispatch mode: ``FlopCounterMode`` counts
+    the recompute as for torch's checkpoint (more than the plain step), and a
+    step on ``FakeTensorMode`` tensors (memory estimators) runs through."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh())
+
+    def flops(call: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> int:
+        torch.manual_seed(0)
+        model, x = block(), torch.randn(4, 8, requires_grad=True)
+        with FlopCounterMode(display=False) as counter:
+            call(model, x).sum().backward()
+        return int(counter.get_total_flops())
+
+    torchs = flops(lambda m, x: tc.checkpoint(m, x, use_reentrant=False))
+    assert flops(checkpoint) == torchs > flops(lambda m, x: m(x))
+    with FakeTensorMode():
+        model, x = block(), torch.randn(4, 8, requires_grad=True)
+        checkpoint(model, x).sum().backward()
+    assert x.grad is not None and type(x.grad).__name__ == "FakeTensor"
+
+
 def test_checkpoint_sequential_takes_one_input() -> None:
     with pytest.raises(TypeError):
         checkpoint_sequential(
