@@ -185,11 +185,12 @@ def _fitted(segments: Segments, n: int) -> Segments:
     another length (the chain was changed in place since) raise, saying so."""
     if isinstance(segments, int):
         return min(segments, n)
-    covers = (
-        segments.stop
-        if isinstance(segments, Plan)
-        else sum(s for s in segments if isinstance(s, int))
-    )
+    if isinstance(segments, Plan):
+        covers = segments.stop
+    elif isinstance(segments, (list, tuple)) and all(type(s) is int for s in segments):
+        covers = sum(segments)
+    else:
+        return segments  # not a form segments take: resolve_plan says so
     if covers == n:
         return segments
     what = "plan" if isinstance(segments, Plan) else f"sizes {list(segments)}"
