@@ -418,7 +418,12 @@ def _compiled_checkpoint(
     return result
 
 
-_is_exporting: Callable[[], bool] = torch.compiler.is_exporting
+def _is_exporting() -> bool:
+    """Whether torch.export traces now. Read from the flag that
+    ``torch.compiler.is_exporting()`` returns: dynamo in torch 2.8-2.10 takes
+    that function for True under any ``torch.compile``."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
 
 _FUNCTORCH = torch._C._functorch
 _peek_transform: Callable[[], Any] = getattr(

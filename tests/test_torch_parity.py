@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import inspect
 import re
 import warnings
 import weakref
@@ -182,19 +183,21 @@ def test_torchtitans_counting_policy_through_the_checkpoint_wrapper() -> None:
         checkpoint_wrapper,
     )
 
+    keywords: dict[str, Any] = {
+        "context_fn": _every_other_mm_context,
+        "preserve_rng_state": True,
+        "determinism_check": "default",
+        "early_stop": True,
+        "debug": False,
+    }
+    if "early_stop" not in inspect.signature(tc.checkpoint).parameters:
+        del keywords["early_stop"]  # torch 2.8's passes it on to the block
+
     def titan(fn: Any) -> Callable[[nn.Module], nn.Module]:
         # fn None: the wrapper's own default, torch's non-reentrant checkpoint
         def wrap(model: nn.Module) -> nn.Module:
             for i, block in enumerate(model):
-                model[i] = checkpoint_wrapper(
-                    block,
-                    checkpoint_fn=fn,
-                    context_fn=_every_other_mm_context,
-                    preserve_rng_state=True,
-                    determinism_check="default",
-                    early_stop=True,
-                    debug=False,
-                )
+                model[i] = checkpoint_wrapper(block, checkpoint_fn=fn, **keywords)
             return model
 
         return wrap
