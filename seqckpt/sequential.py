@@ -111,8 +111,9 @@ def checkpoint_sequential(
     in :func:`seqckpt.checkpoint`).
 
     Args:
-        functions: the chain: an ``nn.Sequential``, ``nn.ModuleList``, or a list or tuple of
-            modules or plain callables. A nested ``nn.Sequential`` is one item.
+        functions: the chain: an ``nn.Sequential``, ``nn.ModuleList``, or a
+            list or tuple of modules or plain callables. A nested
+            ``nn.Sequential`` is one item.
         segments: an int ``k`` (1 <= k <= number of modules): ``k`` contiguous
             segments whose sizes differ by at most one, smaller ones first (torch
             puts the whole remainder in its last, plain segment), none starting
