@@ -111,6 +111,13 @@ def is_recomputing() -> bool:
     return _RECOMPUTING.get() > 0
 
 
+def is_exporting() -> bool:
+    """Whether ``torch.export`` traces now (a region is then a plain call).
+    Read from the flag ``torch.compiler.is_exporting()`` returns: dynamo in
+    torch 2.8-2.10 takes that function for True under any ``torch.compile``."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 # ------------------------------------------------------------- bookkeeping ops
 
 T = TypeVar("T")

@@ -285,7 +285,7 @@ def run_region(
     ``generators``: ``torch.Generator`` objects the caller found on the way to
     ``modules`` (a plain callable's closure), replayed with those found here."""
     if torch.compiler.is_compiling():
-        if _is_exporting():
+        if _state.is_exporting():
             # torch.export records the plain forward (what torch's checkpoint
             # gives under non-strict export; under strict export torch 2.13's
             # checkpoint operator fails, a KeyError on '_checkpoint_context_fn')
@@ -416,13 +416,6 @@ def _compiled_checkpoint(
         **kwargs,
     )
     return result
-
-
-def _is_exporting() -> bool:
-    """Whether torch.export traces now. Read from the flag that
-    ``torch.compiler.is_exporting()`` returns: dynamo in torch 2.8-2.10 takes
-    that function for True under any ``torch.compile``."""
-    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
 _FUNCTORCH = torch._C._functorch

@@ -11,6 +11,7 @@ from torch import nn
 
 import seqckpt
 from seqckpt import CheckpointedSequential, checkpoint_sequential
+from seqckpt.planner.planning import AUTO_STATS
 from tests.oracle import assert_matches_plain
 
 
@@ -236,14 +237,21 @@ class _CheckpointsOneBlock(nn.Module):
 def test_export_in_training_mode_records_the_plain_forward(strict: bool) -> None:
     """A model in training mode whose forward checkpoints exports as its plain
     forward, strictly too, where torch 2.13's checkpoint fails (its operator
-    reads a context function that only selective checkpointing sets)."""
+    reads a context function that only selective checkpointing sets), and
+    ``segments="auto"`` exports without profiling (which compiled code cannot)."""
+    x = torch.randn(4, 16)
     for policy in (None, "compute_heavy"):
         model = _CheckpointsOneBlock(policy)
-        x = torch.randn(4, 16)
         exported = torch.export.export(model, (x,), strict=strict)
         assert torch.equal(exported.module()(x), model(x))
         ops = {str(n.target) for n in exported.graph.nodes if n.op == "call_function"}
         assert ops == {"aten.linear.default", "aten.gelu.default"}
+    # segments="auto" without an eager step first: nothing to plan or profile
+    chain = CheckpointedSequential(*tanh_chain(), segments="auto", memory_budget="1MiB")
+    profiles = AUTO_STATS.profiles
+    exported = torch.export.export(chain, (x,), strict=strict)
+    assert torch.equal(exported.module()(x), nn.Sequential.forward(chain, x))
+    assert AUTO_STATS.profiles == profiles
 
 
 def test_names_and_flags_compile_without_graph_breaks() -> None:

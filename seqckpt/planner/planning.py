@@ -18,6 +18,7 @@ from torch import nn
 
 from seqckpt._buffers import bound_by, modules_of
 from seqckpt._chain import as_chain
+from seqckpt._state import is_exporting
 from seqckpt._tree import tensors_in
 from seqckpt.memory import MemoryStats, track_memory
 from seqckpt.planner.adaptive import (
@@ -39,7 +40,7 @@ from seqckpt.planner.profile import (
 )
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
-from seqckpt.planner.tree import Plan, PlanError
+from seqckpt.planner.tree import Plan, PlanError, Run
 
 __all__ = [
     "AUTO_STATS",
@@ -701,7 +702,11 @@ def auto_step(
     :func:`_auto_choice`) and ``run(plan)`` runs it. The first step of each
     size class on a device in :data:`AUTO_CHECK_DEVICES` is measured and its
     peak checked against the frontier's prediction (a drift beyond the
-    frontier's tolerance makes the next batch of that size profile again)."""
+    frontier's tolerance makes the next batch of that size profile again).
+    Under ``torch.export`` the chain runs plainly: an exported program holds
+    no checkpoint, so there is nothing to plan (or profile)."""
+    if is_exporting():
+        return run(Plan((Run(0, len(chain)),)))
     size = input_size(input)
     batch = input_batch(input)
     frontier = auto_frontier(chain, input, size, batch)
