@@ -384,6 +384,55 @@ def test_errors_carry_the_words_of_torchs(
         y.sum().backward()
 
 
+class _ResidualCalling(nn.Module):
+    """A residual block whose body runs through ``checkpoint(body, x)``."""
+
+    def __init__(self, checkpoint: Callable[..., Any]) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(8, 8), nn.LayerNorm(8), nn.Dropout(0.2), nn.GELU()
+        )
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.checkpoint(self.body, x)
+
+
+def _torchs(reentrant: bool) -> Callable[..., Any]:
+    return functools.partial(tc.checkpoint, use_reentrant=reentrant)
+
+
+@pytest.mark.parametrize(
+    ("inner", "outer"),
+    [
+        (checkpoint, _torchs(False)),
+        (checkpoint, _torchs(True)),
+        (_torchs(False), checkpoint),
+        (_torchs(True), checkpoint),
+        (_torchs(False), lambda m, x: checkpoint_sequential(m, 2, x)),
+    ],
+    ids=["in-torch", "in-torch-reentrant", "around-torch", "around-reentrant", "seq"],
+)
+def test_nested_with_torchs_checkpoint_either_way(inner: Any, outer: Any) -> None:
+    """seqckpt inside torch's checkpoint (a wrapper a trainer applies around a
+    model that checkpoints its blocks) and torch's inside seqckpt's (layers
+    with their own checkpointing in a seqckpt chain): the plain run's
+    gradients and dropout masks, bitwise."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(_ResidualCalling(inner) for _ in range(4)))
+
+    def plain(model: nn.Module, x: torch.Tensor) -> Any:
+        for block in model:
+            block.checkpoint = lambda f, t: f(t)
+        return model(x)
+
+    assert_matches_plain(
+        build, torch.randn(6, 8, requires_grad=True), outer, plain=plain
+    )
+
+
 def test_an_input_modified_in_place_raises_with_torchs_words() -> None:
     """torch's checkpoint raises the engine's "modified by an inplace
     operation" error; ours is a CheckpointError (a RuntimeError) with the same
