@@ -155,6 +155,36 @@ def test_segments_auto_errors() -> None:
         seqckpt.checkpoint_sequential(model, "fast", x)
 
 
+def test_segments_auto_runs_an_empty_batch_plainly_and_refuses_no_tensor() -> None:
+    """An empty batch (a first batch too) runs plainly with nothing profiled:
+    a profile at size 0 divided by zero at the next prediction. An input
+    holding no tensor has no size to plan for: a clear error (it divided by
+    zero as well)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
+    )
+    chain = seqckpt.CheckpointedSequential(
+        *model, segments="auto", memory_budget="1MiB"
+    )
+    before = AUTO_STATS.profiles
+    for batch in (0, 3, 0):
+        x = torch.randn(batch, 8, requires_grad=True)
+        assert_matches_plain(
+            chain, x, lambda m, t: m(t), plain=lambda m, t: nn.Sequential.forward(m, t)
+        )
+    assert AUTO_STATS.profiles == before + 1  # the batch of 3 alone
+
+    class FromIds(nn.Module):
+        def forward(self, ids: list[int]) -> torch.Tensor:
+            return torch.tensor(ids, dtype=torch.float32)
+
+    with pytest.raises(ValueError, match="^seqckpt: segments='auto' .* no tensor"):
+        seqckpt.checkpoint_sequential(
+            [FromIds(), *model], "auto", [1, 2], memory_budget="1MiB"
+        )
+
+
 @pytest.mark.cuda
 def test_segments_auto_uses_free_cuda_memory() -> None:
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).cuda()

@@ -703,11 +703,23 @@ def auto_step(
     size class on a device in :data:`AUTO_CHECK_DEVICES` is measured and its
     peak checked against the frontier's prediction (a drift beyond the
     frontier's tolerance makes the next batch of that size profile again).
-    Under ``torch.export`` the chain runs plainly: an exported program holds
-    no checkpoint, so there is nothing to plan (or profile)."""
+    The chain runs plainly, with nothing planned or profiled, under
+    ``torch.export`` (an exported program holds no checkpoint) and for an
+    empty batch (no activations to drop; a profile of one would scale to
+    nothing); an input without tensors has no size to plan for: an error."""
+    plain = Plan((Run(0, len(chain)),))
     if is_exporting():
-        return run(Plan((Run(0, len(chain)),)))
+        return run(plain)
+    if not tensors_in(input):
+        raise ValueError(
+            "seqckpt: segments='auto' plans for the size of the chain's input, and "
+            f"this input holds no tensor (a {type(input).__name__}); give segments "
+            "as a count, sizes or a plan (seqckpt.plan(...)), or start the chain "
+            "at the first module that takes a tensor."
+        )
     size = input_size(input)
+    if size == 0:
+        return run(plain)
     batch = input_batch(input)
     frontier = auto_frontier(chain, input, size, batch)
     plan = _auto_choice(frontier, chain, input, size, batch, memory_budget)
