@@ -155,9 +155,10 @@ def test_segments_auto_errors() -> None:
         seqckpt.checkpoint_sequential(model, "fast", x)
 
 
-def test_segments_auto_runs_an_empty_batch_plainly_and_refuses_no_tensor() -> None:
+def test_segments_auto_runs_empty_and_meta_batches_plainly_refuses_no_tensor() -> None:
     """An empty batch (a first batch too) runs plainly with nothing profiled:
-    a profile at size 0 divided by zero at the next prediction. An input
+    a profile at size 0 divided by zero at the next prediction; so does a
+    batch on the meta device (it failed measuring memory there). An input
     holding no tensor has no size to plan for: a clear error (it divided by
     zero as well)."""
     torch.manual_seed(0)
@@ -174,6 +175,14 @@ def test_segments_auto_runs_an_empty_batch_plainly_and_refuses_no_tensor() -> No
             chain, x, lambda m, t: m(t), plain=lambda m, t: nn.Sequential.forward(m, t)
         )
     assert AUTO_STATS.profiles == before + 1  # the batch of 3 alone
+    with torch.device("meta"):  # shapes only: nothing to measure, run plainly
+        on_meta = seqckpt.CheckpointedSequential(
+            *(nn.Linear(8, 8) for _ in range(3)), segments="auto", memory_budget=1
+        )
+        x = torch.randn(4, 8, requires_grad=True)
+    on_meta(x).sum().backward()
+    assert x.grad is not None and x.grad.device.type == "meta"
+    assert AUTO_STATS.profiles == before + 1
 
     class FromIds(nn.Module):
         def forward(self, ids: list[int]) -> torch.Tensor:

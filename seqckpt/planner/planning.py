@@ -704,13 +704,15 @@ def auto_step(
     peak checked against the frontier's prediction (a drift beyond the
     frontier's tolerance makes the next batch of that size profile again).
     The chain runs plainly, with nothing planned or profiled, under
-    ``torch.export`` (an exported program holds no checkpoint) and for an
+    ``torch.export`` (an exported program holds no checkpoint), for an
     empty batch (no activations to drop; a profile of one would scale to
-    nothing); an input without tensors has no size to plan for: an error."""
+    nothing) and on the meta device (shape and FLOP counting: no memory to
+    measure); an input without tensors has no size to plan for: an error."""
     plain = Plan((Run(0, len(chain)),))
     if is_exporting():
         return run(plain)
-    if not tensors_in(input):
+    tensors = tensors_in(input)
+    if not tensors:
         raise ValueError(
             "seqckpt: segments='auto' plans for the size of the chain's input, and "
             f"this input holds no tensor (a {type(input).__name__}); give segments "
@@ -718,7 +720,7 @@ def auto_step(
             "at the first module that takes a tensor."
         )
     size = input_size(input)
-    if size == 0:
+    if size == 0 or tensors[0].device.type == "meta":
         return run(plain)
     batch = input_batch(input)
     frontier = auto_frontier(chain, input, size, batch)
