@@ -40,7 +40,7 @@ from seqckpt.planner.profile import (
 )
 from seqckpt.planner.profile import profile as profile_chain
 from seqckpt.planner.solver import DEFAULT_SLOTS, fastest_plan
-from seqckpt.planner.tree import Plan, PlanError, Run
+from seqckpt.planner.tree import Plan, PlanError, uniform_plan
 
 __all__ = [
     "AUTO_STATS",
@@ -708,11 +708,10 @@ def auto_step(
     empty batch (no activations to drop; a profile of one would scale to
     nothing) and on the meta device (shape and FLOP counting: no memory to
     measure); an input without tensors has no size to plan for: an error."""
-    plain = Plan((Run(0, len(chain)),))
     if is_exporting():
-        return run(plain)
-    tensors = tensors_in(input)
-    if not tensors:
+        return run(uniform_plan(len(chain), 1))  # one segment: all plain
+    device = next((t.device for t in tensors_in(input)), None)
+    if device is None:
         raise ValueError(
             "seqckpt: segments='auto' plans for the size of the chain's input, and "
             f"this input holds no tensor (a {type(input).__name__}); give segments "
@@ -720,8 +719,8 @@ def auto_step(
             "at the first module that takes a tensor."
         )
     size = input_size(input)
-    if size == 0 or tensors[0].device.type == "meta":
-        return run(plain)
+    if size == 0 or device.type == "meta":
+        return run(uniform_plan(len(chain), 1))
     batch = input_batch(input)
     frontier = auto_frontier(chain, input, size, batch)
     plan = _auto_choice(frontier, chain, input, size, batch, memory_budget)
@@ -729,15 +728,12 @@ def auto_step(
         return run(plan)
     if _PeakCheck.current is not None:  # observed on the CPU, or no backward
         _PeakCheck.current.close()
-    device = next((t.device for t in tensors_in(input)), None)
-    casts = device is not None and frontier not in _CAST_CHECKED
+    casts = frontier not in _CAST_CHECKED
     if casts:  # the first step of a frontier: was it profiled under autocast?
         _CAST_CHECKED.add(frontier)
         casts = any(p.region_cast_bytes for _, c in frontier.points for p in c.layers)
-    if (
-        device is None
-        or device.type not in AUTO_CHECK_DEVICES
-        or not frontier.first_of_class(size, batch)
+    if device.type not in AUTO_CHECK_DEVICES or not frontier.first_of_class(
+        size, batch
     ):
         out = run(plan)
     else:
@@ -749,6 +745,6 @@ def auto_step(
             check.close()
             raise
         check.end_with_backward(out)
-    if casts and device is not None:
+    if casts:
         _warn_if_backward_under_autocast(out, device.type)
     return out
