@@ -257,9 +257,10 @@ def tp_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> None:
     _exit_cleanly()
 
 
-class _Residual(nn.Module):
-    """A residual block, the unit FSDP1 wraps; ``checkpoint``: how its
-    forward calls its body (None: plainly)."""
+class Residual(nn.Module):
+    """A residual block (the unit FSDP1 wraps here; also the block of the
+    nesting tests in test_torch_parity); ``checkpoint``: how its forward
+    calls its body (None: plainly)."""
 
     def __init__(self, body: nn.Module, checkpoint: Any = None) -> None:
         super().__init__()
@@ -285,12 +286,12 @@ def fsdp1_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> No
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     def blocks(checkpoint: Any = None) -> nn.Sequential:
-        return nn.Sequential(*(_Residual(block, checkpoint) for block in _model()[:4]))
+        return nn.Sequential(*(Residual(block, checkpoint) for block in _model()[:4]))
 
     def sharded(model: nn.Module) -> nn.Module:
         return FSDP(
             model,
-            auto_wrap_policy=ModuleWrapPolicy({_Residual}),
+            auto_wrap_policy=ModuleWrapPolicy({Residual}),
             device_id=torch.device("cpu"),  # (FSDP1 wants an accelerator else)
             **options,
         )
@@ -307,7 +308,7 @@ def fsdp1_worker(rank: int, port: int, kind: str, options: dict[str, Any]) -> No
                 checkpoint_wrapper_fn=partial(
                     checkpoint_wrapper, checkpoint_fn=seqckpt.checkpoint
                 ),
-                check_fn=lambda m: isinstance(m, _Residual),
+                check_fn=lambda m: isinstance(m, Residual),
             )
         else:
             stack = seqckpt.CheckpointedSequential.from_sequential(blocks(), segments=2)

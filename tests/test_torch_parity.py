@@ -28,6 +28,7 @@ import seqckpt
 from seqckpt import CheckpointError, _options, checkpoint, checkpoint_sequential
 from seqckpt.memory import track_memory
 from tests.counting import CountsFinished, OpCounter, SavesLessTheSecondTime
+from tests.distributed_workers import Residual
 from tests.oracle import assert_matches_plain
 
 aten = torch.ops.aten
@@ -384,20 +385,6 @@ def test_errors_carry_the_words_of_torchs(
         y.sum().backward()
 
 
-class _ResidualCalling(nn.Module):
-    """A residual block whose body runs through ``checkpoint(body, x)``."""
-
-    def __init__(self, checkpoint: Callable[..., Any]) -> None:
-        super().__init__()
-        self.body = nn.Sequential(
-            nn.Linear(8, 8), nn.LayerNorm(8), nn.Dropout(0.2), nn.GELU()
-        )
-        self.checkpoint = checkpoint
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.checkpoint(self.body, x)
-
-
 def _torchs(reentrant: bool) -> Callable[..., Any]:
     return functools.partial(tc.checkpoint, use_reentrant=reentrant)
 
@@ -419,13 +406,18 @@ def test_nested_with_torchs_checkpoint_either_way(inner: Any, outer: Any) -> Non
     with their own checkpointing in a seqckpt chain): the plain run's
     gradients and dropout masks, bitwise."""
 
+    def body() -> nn.Module:
+        return nn.Sequential(
+            nn.Linear(8, 8), nn.LayerNorm(8), nn.Dropout(0.2), nn.GELU()
+        )
+
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return nn.Sequential(*(_ResidualCalling(inner) for _ in range(4)))
+        return nn.Sequential(*(Residual(body(), inner) for _ in range(4)))
 
     def plain(model: nn.Module, x: torch.Tensor) -> Any:
         for block in model:
-            block.checkpoint = lambda f, t: f(t)
+            block.checkpoint = None  # the body called directly
         return model(x)
 
     assert_matches_plain(
