@@ -1,8 +1,11 @@
 """Command line: ``python -m seqckpt [validate|profile|plan] [options]``.
 
 With no arguments it validates the default model on CUDA when available, else on
-the CPU. ``profile`` prints the per-layer table the planner uses; ``plan`` prints
-the plan for a budget with its predicted and measured peak and time, and with
+the CPU. ``--model`` names an embedded model, or your own chain as
+``module:function``, a function of no arguments that returns ``(chain,
+sample_batch)`` (the module imported as ``python -m`` imports, from the current
+directory too). ``profile`` prints the per-layer table the planner uses;
+``plan`` prints the plan for a budget with its predicted and measured peak and time, and with
 ``--plot`` the memory/time frontier; ``--autocast bf16`` (or ``fp16``) profiles,
 plans and measures the forward under ``torch.autocast``, backward after it, as
 torch's mixed-precision recipe runs a step. Bad arguments give one line on
@@ -13,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 from typing import Any, NoReturn
 
 import torch
+from torch import nn
 
+from seqckpt._tree import tensors_in
 from seqckpt.models import MODELS
 from seqckpt.planner import PlanError, parse_budget, plan, profile
 from seqckpt.planner.budget import format_bytes
@@ -29,9 +35,10 @@ from seqckpt.planner.frontier import (
     plot_frontier,
 )
 from seqckpt.policies import POLICIES
-from seqckpt.validation import make_deterministic, resolve_device, validate
+from seqckpt.validation import make_deterministic, place, resolve_device, validate
 
 DEFAULT_MODEL = "resnet"
+YOUR_CHAIN = "or your own chain as module:function returning (chain, sample_batch)"
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -50,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help=f"one of {', '.join(MODELS)}, or all (default {DEFAULT_MODEL})",
+        help=f"one of {', '.join(MODELS)}, or all (default {DEFAULT_MODEL}); "
+        + YOUR_CHAIN,
     )
     v.add_argument("--device", choices=["cpu", "cuda"], default=None)
     v.add_argument("--segments", type=int, default=None, help="segment count")
@@ -71,8 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--model",
             default=DEFAULT_MODEL,
-            choices=list(MODELS),
-            help=f"an embedded model (default {DEFAULT_MODEL})",
+            help=f"one of {', '.join(MODELS)} (default {DEFAULT_MODEL}); " + YOUR_CHAIN,
         )
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)
         p.add_argument("--batch", type=int, default=None, help="batch size")
@@ -136,12 +143,63 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def load_chain(args: argparse.Namespace, names: str) -> tuple[Any, Any]:
+    """``(chain, sample_batch)`` from ``--model module:function``: the module
+    imported (``python -m`` imports from the current directory too), the
+    function called without arguments; ``names``: the embedded models the
+    option also takes, for the error. ``--batch`` is refused: the sample
+    sets the batch."""
+    spec = args.model
+    module_name, _, attribute = spec.partition(":")
+    where = f"--model {spec!r}"
+    if not module_name or not attribute:
+        raise ValueError(
+            f"seqckpt: unknown {where}; choose one of {names}, or give your own "
+            "chain as module:function (e.g. --model mymodels:make_chain)."
+        )
+    if args.batch is not None:
+        raise ValueError(
+            f"seqckpt: --batch sizes the embedded models' inputs; {spec}'s sample "
+            "sets its batch. Leave --batch out."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"seqckpt: {where}: cannot import {module_name!r} ({error}); run from "
+            "the directory that holds it, or put it on PYTHONPATH."
+        ) from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(
+            f"seqckpt: {where}: {module_name} has no function {attribute!r}."
+        )
+    made = function()
+    if not (
+        isinstance(made, tuple)
+        and len(made) == 2
+        and isinstance(made[0], (nn.Sequential, nn.ModuleList))
+    ):
+        got = type(made).__name__
+        if isinstance(made, tuple) and len(made) == 2:
+            got = f"({type(made[0]).__name__}, {type(made[1]).__name__})"
+        raise ValueError(
+            f"seqckpt: {where}: {attribute}() must return (chain, sample_batch), "
+            f"the chain an nn.Sequential or nn.ModuleList; got {got}."
+        )
+    return made
+
+
 def _model_and_input(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    device = resolve_device(args.device)
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"seqckpt: --batch must be >= 1, got {args.batch}.")
-    spec = MODELS[args.model]
-    return spec.build().to(device), spec.sample(device, args.batch), device
+    if args.model in MODELS:
+        device = resolve_device(args.device)
+        spec = MODELS[args.model]
+        return spec.build().to(device), spec.sample(device, args.batch), device
+    chain, sample = load_chain(args, ", ".join(MODELS))
+    sample, device = place(sample, args.device, chain)
+    return chain.to(device), sample, device
 
 
 def _policies(text: str) -> list[str | None]:
@@ -217,7 +275,8 @@ def run_plan(args: argparse.Namespace) -> int:
             autocast=autocast,
         )
         print(format_frontier(points))
-        title = f"{args.model}, batch {x.shape[0]}, {device}"
+        batch = tensors_in(x)[0].shape[0] if tensors_in(x) else "?"
+        title = f"{args.model}, batch {batch}, {device}"
         if args.autocast:
             title += f", {args.autocast} autocast"
         if plot_frontier(points, args.plot, title):
@@ -244,10 +303,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.deterministic:
         make_deterministic()  # before anything starts CUDA
     try:
-        rows = validate(
-            args.model, args.device, args.segments, args.batch, progress=not args.json
-        )
-    except ValueError as error:
+        if args.model in MODELS or args.model == "all":
+            rows = validate(
+                args.model,
+                args.device,
+                args.segments,
+                args.batch,
+                progress=not args.json,
+            )
+        else:
+            chain, sample = load_chain(args, ", ".join([*MODELS, "all"]))
+            rows = validate(
+                chain,
+                args.device,
+                args.segments,
+                args.batch,
+                progress=not args.json,
+                sample=sample,
+            )
+            rows[0]["model"] = args.model
+    except (ValueError, TypeError) as error:
         print(str(error), file=sys.stderr)
         return 2
     if args.json:

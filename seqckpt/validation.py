@@ -1,5 +1,6 @@
-"""Validation: run a model plainly and checkpointed from the same RNG state and
-report whether gradients match, how much peak memory dropped and what it cost.
+"""Validation: run a chain plainly and checkpointed from the same RNG state and
+report whether gradients match, how much peak memory dropped and what it cost:
+an embedded model by name, or your own chain with a sample batch.
 
 Example:
     >>> import seqckpt
@@ -11,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import sys
@@ -20,6 +22,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from seqckpt._chain import as_chain
+from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.memory import timed, track_memory
 from seqckpt.models import MODELS
 from seqckpt.sequential import checkpoint_sequential
@@ -58,18 +62,23 @@ def model_names(model: str) -> list[str]:
     return [model]
 
 
-def _step(
-    model: nn.Module, x: torch.Tensor, forward: Callable[[nn.Module, torch.Tensor], Any]
-) -> None:
+def _step(model: nn.Module, x: Any, forward: Callable[[nn.Module, Any], Any]) -> None:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    forward(model, x).float().sum().backward()
+    out = forward(model, x)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            "seqckpt: validate backpropagates the sum of the chain's output, which "
+            f"must be a tensor; the chain returned {type(out).__name__}. End it "
+            "with a module that returns one tensor (a head, a loss)."
+        )
+    torch.autograd.backward(out.float().sum())
 
 
 def _time(
     model: nn.Module,
-    x: torch.Tensor,
-    forward: Callable[[nn.Module, torch.Tensor], Any],
+    x: Any,
+    forward: Callable[[nn.Module, Any], Any],
     device: torch.device,
     repeats: int,
 ) -> float:
@@ -133,13 +142,88 @@ def validate_one(
     """Validate one embedded model; returns its row (see :func:`validate`)."""
     spec = MODELS[name]
     k = spec.segments if segments is None else segments
-    model = spec.build().to(device)
-    x = spec.sample(device, batch)
+    return _compare(
+        name, spec.build().to(device), spec.sample(device, batch), device, k, repeats
+    )
 
-    def plain(m: nn.Module, t: torch.Tensor) -> Any:
-        return m(t)
 
-    def checkpointed(m: nn.Module, t: torch.Tensor) -> Any:
+def validate_chain(
+    chain: nn.Module,
+    sample: Any,
+    device: str | None = None,
+    segments: int | None = None,
+    batch: int | None = None,
+    progress: bool = False,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """Validate your own chain on ``sample``; returns its row (see
+    :func:`validate`). The chain is copied (yours gets no gradients and stays
+    where it is); ``device`` None runs where the sample is."""
+    if not isinstance(chain, (nn.Sequential, nn.ModuleList)):
+        raise TypeError(
+            "seqckpt: argument 'model' of validate must be the name of an embedded "
+            f"model ({', '.join(MODELS)} or 'all') or your chain as an "
+            f"nn.Sequential or nn.ModuleList, got {type(chain).__name__}; wrap the "
+            "layers in nn.Sequential(...)."
+        )
+    n = len(as_chain(chain, "model"))
+    if sample is None:
+        raise ValueError(
+            "seqckpt: validate(model=<your chain>) needs sample=, a batch like the "
+            "training ones (what the chain's first layer takes)."
+        )
+    if batch is not None:
+        raise ValueError(
+            f"seqckpt: batch={batch} sizes the embedded models' inputs; for your "
+            "chain the sample sets the batch. Leave batch out."
+        )
+    k = max(1, round(math.sqrt(n))) if segments is None else segments
+    if not 1 <= k <= n:
+        raise ValueError(
+            f"seqckpt: segments must be between 1 and {n} for your chain ({n} "
+            f"modules), got {k}."
+        )
+    x, dev = place(sample, device, chain)
+    name = type(chain).__name__
+    if progress:
+        print(f"seqckpt: validating your {name} on {dev} ...", file=sys.stderr)
+    return _compare(name, copy.deepcopy(chain).to(dev), x, dev, k, repeats)
+
+
+def place(
+    sample: Any, device: str | None, chain: nn.Module
+) -> tuple[Any, torch.device]:
+    """``sample`` with its tensors on ``device``, and that device; None: where
+    the sample's first tensor is, else where the chain's parameters are, else
+    the CPU."""
+    tensors = tensors_in(sample)
+    if device is not None:
+        dev = resolve_device(device)
+    elif tensors:
+        dev = tensors[0].device
+    else:
+        dev = next((p.device for p in chain.parameters()), torch.device("cpu"))
+    return replace_tensors(sample, [t.to(dev) for t in tensors]), dev
+
+
+def _batch_of(x: Any) -> int | None:
+    """The leading size of the sample's first tensor (None: no batch seen)."""
+    tensors = tensors_in(x)
+    return tensors[0].shape[0] if tensors and tensors[0].dim() else None
+
+
+def _compare(
+    name: str, model: nn.Module, x: Any, device: torch.device, k: int, repeats: int
+) -> dict[str, Any]:
+    """The row of ``validate`` for ``model`` on ``x``, checkpointed in ``k``
+    segments."""
+
+    def plain(m: nn.Module, t: Any) -> Any:
+        for layer in cast(nn.Sequential, m):  # (a ModuleList too: its calls)
+            t = layer(t)
+        return t
+
+    def checkpointed(m: nn.Module, t: Any) -> Any:
         return checkpoint_sequential(cast(nn.Sequential, m), k, t)
 
     # Warm up on throwaway copies: the first cuBLAS / cuDNN calls allocate
@@ -203,7 +287,7 @@ def validate_one(
         "model": name,
         "device": str(device),
         "segments": k,
-        "batch": x.shape[0],
+        "batch": _batch_of(x),
         "peak_mib_plain": peaks["plain"] / 2**20,
         "peak_mib_checkpointed": peaks["checkpointed"] / 2**20,
         "reserved_mib_plain": reserved["plain"] / 2**20,
@@ -233,13 +317,15 @@ def make_deterministic() -> None:
 
 
 def validate(
-    model: str = "all",
+    model: str | nn.Module = "all",
     device: str | None = None,
     segments: int | None = None,
     batch: int | None = None,
     progress: bool = False,
+    *,
+    sample: Any = None,
 ) -> list[dict[str, Any]]:
-    """Validate checkpointing on the embedded models.
+    """Validate checkpointing on the embedded models, or on your own chain.
 
     For each model, after a warm-up step of each variant on throwaway copies
     (the first cuBLAS and cuDNN calls allocate workspaces that stay), runs one
@@ -252,32 +338,53 @@ def validate(
     ``allclose(rtol=1e-4, atol=1e-6)`` or, per tensor, within 4x the
     difference between two plain runs (the device's own floor, also reported;
     see :func:`grads_close`). Buffers (BatchNorm
-    statistics): always exactly.
+    statistics): always exactly. A step backpropagates the sum of the chain's
+    output.
 
     Args:
-        model: a name from :data:`seqckpt.models.MODELS`, or ``"all"``.
-        device: ``"cpu"``, ``"cuda"`` or None (CUDA when available).
-        segments: segment count; None uses each model's default.
-        batch: batch size; None uses the model's CPU or GPU default.
+        model: a name from :data:`seqckpt.models.MODELS`, or ``"all"``; or your
+            chain as an ``nn.Sequential`` or ``nn.ModuleList``, with ``sample``.
+            Your chain is copied: it gets no gradients and is not moved.
+        device: ``"cpu"``, ``"cuda"`` or None (embedded models: CUDA when
+            available; your chain: where the sample is).
+        segments: segment count; None uses each embedded model's default, and
+            the square root of the length (rounded) for your chain.
+        batch: batch size of the embedded models; None uses their CPU or GPU
+            default (your sample sets your chain's).
         progress: print a line per model on stderr.
+        sample: a batch for your chain's first layer (with a name: not taken).
 
     Returns:
         One dict per model with keys ``model, device, segments, batch,
         peak_mib_plain, peak_mib_checkpointed, reserved_mib_plain,
         reserved_mib_checkpointed, reduction_pct, time_ratio,
         max_abs_grad_diff, plain_vs_plain_max_abs_grad_diff, bitwise_equal,
-        grad_rule, ok, reason``.
+        grad_rule, ok, reason``; ``model`` is your chain's class name.
 
     Raises:
         ValueError: unknown model, CUDA asked for without a GPU, segments out of
-            range for a model, a batch below 1.
+            range for a model, a batch below 1, a chain without a sample (or a
+            sample with a name, or a batch with a chain).
+        TypeError: ``model`` neither a name nor a chain, a chain whose output
+            is not a tensor.
 
     Example:
-        >>> import seqckpt
+        >>> import torch, seqckpt
         >>> (row,) = seqckpt.validate("mlp", device="cpu")
         >>> row["bitwise_equal"], row["ok"], row["reduction_pct"] > 0
         (True, True, True)
+        >>> chain = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(9)])
+        >>> (row,) = seqckpt.validate(chain, sample=torch.randn(256, 64))
+        >>> row["model"], row["segments"], row["bitwise_equal"], row["ok"]
+        ('Sequential', 3, True, True)
     """
+    if not isinstance(model, str):
+        return [validate_chain(model, sample, device, segments, batch, progress)]
+    if sample is not None:
+        raise ValueError(
+            f"seqckpt: sample= is for your own chain; the embedded model {model!r} "
+            "makes its own (size it with batch=)."
+        )
     dev = resolve_device(device)
     names = model_names(model)
     if batch is not None and batch < 1:

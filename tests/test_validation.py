@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import seqckpt
 from seqckpt.__main__ import main
@@ -151,3 +153,158 @@ def test_cli_deterministic_sets_cublas_before_cuda(tmp_path) -> None:  # type: i
     rows = json.loads("\n".join(rows_text))
     assert json.loads(last) == [0, ":4096:8", True]
     assert rows[0]["bitwise_equal"] and rows[0]["plain_vs_plain_max_abs_grad_diff"] == 0
+
+
+def _token_chain() -> nn.Sequential:
+    """Token ids in, dropout inside: ten layers."""
+    torch.manual_seed(0)
+    blocks = [
+        nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.2), nn.GELU()) for _ in range(8)
+    ]
+    return nn.Sequential(nn.Embedding(40, 16), *blocks, nn.Linear(16, 40))
+
+
+def test_validate_takes_your_chain_and_leaves_it_as_it_was() -> None:
+    chain = _token_chain()
+    before = [p.detach().clone() for p in chain.parameters()]
+    ids = torch.randint(0, 40, (64, 32))
+    (row,) = seqckpt.validate(chain, sample=ids)
+    assert row["bitwise_equal"] and row["ok"], row
+    # ten layers: round(sqrt(10)) segments; where the sample is; its batch
+    assert (row["model"], row["segments"], row["device"], row["batch"]) == (
+        "Sequential",
+        3,
+        "cpu",
+        64,
+    )
+    assert row["peak_mib_checkpointed"] < row["peak_mib_plain"]
+    # the chain validated was a copy: no gradients, the same weights
+    assert all(p.grad is None for p in chain.parameters())
+    assert all(
+        torch.equal(p, q) for p, q in zip(chain.parameters(), before, strict=True)
+    )
+    # a ModuleList, and a segment count of your choice
+    (row,) = seqckpt.validate(nn.ModuleList(chain), sample=ids, segments=2)
+    assert row["model"] == "ModuleList" and row["segments"] == 2 and row["ok"], row
+
+
+class _CountsItsCalls(nn.Module):
+    """Scales by how often it ran: its recompute differs from its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return (x * self.calls).sin()  # sin keeps the scaled input for backward
+
+
+def test_validate_reports_your_chain_that_recomputes_differently() -> None:
+    # (in the first of two segments: the last one runs plainly)
+    chain = nn.Sequential(nn.Linear(8, 8), _CountsItsCalls(), *[nn.Linear(8, 8)] * 2)
+    (row,) = seqckpt.validate(chain, sample=torch.randn(4, 8), segments=2)
+    assert not row["ok"] and not row["bitwise_equal"]
+    assert "gradients differ" in row["reason"] and row["max_abs_grad_diff"] > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [
+        (lambda c, x: seqckpt.validate(c), ValueError, "needs sample="),
+        (lambda c, x: seqckpt.validate("mlp", sample=x), ValueError, "sample= is for"),
+        (lambda c, x: seqckpt.validate(c, batch=4, sample=x), ValueError, "batch=4"),
+        (lambda c, x: seqckpt.validate(c, segments=0, sample=x), ValueError, "got 0"),
+        (lambda c, x: seqckpt.validate(c[0], sample=x), TypeError, "got Linear"),
+        (
+            lambda c, x: seqckpt.validate(nn.Sequential(nn.LSTM(8, 8)), sample=x),
+            TypeError,
+            "the chain returned tuple",
+        ),
+    ],
+)
+def test_validate_your_chain_errors(call, error, pattern) -> None:  # type: ignore[no-untyped-def]
+    chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    with pytest.raises(error, match=pattern) as info:
+        call(chain, torch.randn(2, 8))
+    assert str(info.value).startswith("seqckpt: ")
+
+
+_CHAIN_MODULE = """
+import torch
+from torch import nn
+
+def make():
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
+    return nn.Sequential(*blocks), torch.randn(16, 8)
+
+def not_a_pair():
+    return 3
+
+def not_a_chain():
+    return nn.Linear(8, 8), torch.randn(2, 8)
+"""
+
+
+@pytest.fixture
+def chain_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A module of the user's, importable, defining ``make()``."""
+    name = "seqckpt_test_user_chain"
+    (tmp_path / f"{name}.py").write_text(_CHAIN_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return name
+
+
+def test_cli_takes_your_chain_as_module_function(
+    chain_module: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = f"{chain_module}:make"
+    assert main(["validate", "--model", spec, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["model"] == spec and row["segments"] == 2 and row["ok"], row
+    assert main(["profile", "--model", spec]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 4
+    assert main(["plan", "--model", spec, "--policies", "none"]) == 0
+    assert capsys.readouterr().out.startswith("Plan for layers 0-3")
+
+
+@pytest.mark.parametrize("command", ["validate", "profile", "plan"])
+@pytest.mark.parametrize(
+    ("model", "extra", "pattern"),
+    [
+        ("{m}:not_a_pair", [], "must return (chain, sample_batch), the chain"),
+        ("{m}:not_a_chain", [], "got (Linear, Tensor)"),
+        ("{m}:nowhere", [], "has no function 'nowhere'"),
+        ("seqckpt_no_such_module:make", [], "cannot import 'seqckpt_no_such_module'"),
+        ("{m}:make", ["--batch", "4"], "Leave --batch out"),
+    ],
+)
+def test_cli_your_chain_errors_are_one_line(
+    chain_module: str,
+    command: str,
+    model: str,
+    extra: list[str],
+    pattern: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [command, "--model", model.format(m=chain_module), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("seqckpt: ") and pattern in err[0], err
+
+
+def test_python_dash_m_imports_your_chain_from_the_current_directory(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "my_chain.py").write_text(_CHAIN_MODULE)
+    done = subprocess.run(
+        [sys.executable, "-m", "seqckpt", "validate", "--model", "my_chain:make"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "my_chain:make" in done.stdout and "OK" in done.stdout
