@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -299,12 +300,16 @@ def test_python_dash_m_imports_your_chain_from_the_current_directory(
     tmp_path: Path,
 ) -> None:
     (tmp_path / "my_chain.py").write_text(_CHAIN_MODULE)
+    # seqckpt found as this test found it (installed, or on a relative path)
+    here = str(Path(seqckpt.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-m", "seqckpt", "validate", "--model", "my_chain:make"],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert done.returncode == 0, done.stderr
     assert "my_chain:make" in done.stdout and "OK" in done.stdout
