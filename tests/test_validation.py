@@ -209,6 +209,18 @@ def test_validate_reports_your_chain_that_recomputes_differently() -> None:
     assert "gradients differ" in row["reason"] and row["max_abs_grad_diff"] > 0
 
 
+@pytest.mark.parametrize(("width", "batch", "hint"), [(512, 1, True), (8, 4096, False)])
+def test_validate_says_when_gradients_hide_what_checkpointing_drops(
+    width: int, batch: int, hint: bool
+) -> None:
+    # One segment: nothing is recomputed, so the peak cannot drop. Where the
+    # gradients make most of the step's peak the reason says so.
+    chain = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+    (row,) = seqckpt.validate(chain, sample=torch.randn(batch, width), segments=1)
+    assert not row["ok"] and row["reason"].startswith("peak memory did not drop")
+    assert ("the parameters' gradients" in row["reason"]) == hint, row["reason"]
+
+
 @pytest.mark.parametrize(
     ("call", "error", "pattern"),
     [
