@@ -5,11 +5,11 @@ the CPU. ``--model`` names an embedded model, or your own chain as
 ``module:function``, a function of no arguments that returns ``(chain,
 sample_batch)`` (the module imported as ``python -m`` imports, from the current
 directory too). ``profile`` prints the per-layer table the planner uses;
-``plan`` prints the plan for a budget with its predicted and measured peak and time, and with
-``--plot`` the memory/time frontier; ``--autocast bf16`` (or ``fp16``) profiles,
-plans and measures the forward under ``torch.autocast``, backward after it, as
-torch's mixed-precision recipe runs a step. Bad arguments give one line on
-stderr and exit status 2.
+``plan`` prints the plan for a budget with its predicted and measured peak and
+time, and with ``--plot`` the memory/time frontier; ``--autocast bf16`` (or
+``fp16``) profiles, plans and measures the forward under ``torch.autocast``,
+backward after it, as torch's mixed-precision recipe runs a step. Bad arguments
+give one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from seqckpt._tree import tensors_in
 from seqckpt.models import MODELS
 from seqckpt.planner import PlanError, parse_budget, plan, profile
 from seqckpt.planner.budget import format_bytes
@@ -35,7 +34,13 @@ from seqckpt.planner.frontier import (
     plot_frontier,
 )
 from seqckpt.policies import POLICIES
-from seqckpt.validation import make_deterministic, place, resolve_device, validate
+from seqckpt.validation import (
+    batch_of,
+    make_deterministic,
+    place,
+    resolve_device,
+    validate,
+)
 
 DEFAULT_MODEL = "resnet"
 YOUR_CHAIN = "or your own chain as module:function returning (chain, sample_batch)"
@@ -275,8 +280,7 @@ def run_plan(args: argparse.Namespace) -> int:
             autocast=autocast,
         )
         print(format_frontier(points))
-        batch = tensors_in(x)[0].shape[0] if tensors_in(x) else "?"
-        title = f"{args.model}, batch {batch}, {device}"
+        title = f"{args.model}, batch {batch_of(x)}, {device}"
         if args.autocast:
             title += f", {args.autocast} autocast"
         if plot_frontier(points, args.plot, title):
@@ -303,25 +307,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.deterministic:
         make_deterministic()  # before anything starts CUDA
     try:
-        if args.model in MODELS or args.model == "all":
-            rows = validate(
-                args.model,
-                args.device,
-                args.segments,
-                args.batch,
-                progress=not args.json,
-            )
-        else:
-            chain, sample = load_chain(args, ", ".join([*MODELS, "all"]))
-            rows = validate(
-                chain,
-                args.device,
-                args.segments,
-                args.batch,
-                progress=not args.json,
-                sample=sample,
-            )
-            rows[0]["model"] = args.model
+        model: Any = args.model
+        sample = None
+        if model not in MODELS and model != "all":
+            model, sample = load_chain(args, ", ".join([*MODELS, "all"]))
+        rows = validate(
+            model,
+            args.device,
+            args.segments,
+            args.batch,
+            progress=not args.json,
+            sample=sample,
+        )
+        if sample is not None:
+            rows[0]["model"] = args.model  # module:function, not the class
     except (ValueError, TypeError) as error:
         print(str(error), file=sys.stderr)
         return 2

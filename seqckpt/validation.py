@@ -206,7 +206,7 @@ def place(
     return replace_tensors(sample, [t.to(dev) for t in tensors]), dev
 
 
-def _batch_of(x: Any) -> int | None:
+def batch_of(x: Any) -> int | None:
     """The leading size of the sample's first tensor (None: no batch seen)."""
     tensors = tensors_in(x)
     return tensors[0].shape[0] if tensors and tensors[0].dim() else None
@@ -297,7 +297,7 @@ def _compare(
         "model": name,
         "device": str(device),
         "segments": k,
-        "batch": _batch_of(x),
+        "batch": batch_of(x),
         "peak_mib_plain": peaks["plain"] / 2**20,
         "peak_mib_checkpointed": peaks["checkpointed"] / 2**20,
         "reserved_mib_plain": reserved["plain"] / 2**20,
