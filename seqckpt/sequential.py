@@ -161,6 +161,14 @@ def checkpoint_sequential(
         >>> y.sum().backward()
     """
     chain = as_chain(functions, "functions")
+    if isinstance(use_reentrant, torch.Tensor):
+        raise TypeError(
+            "seqckpt: checkpoint_sequential takes one input (argument 'input'), "
+            "but a tensor came as its fourth positional argument, where torch's "
+            "signature has use_reentrant. Pass several inputs as one tuple, "
+            "checkpoint_sequential(chain, segments, (a, b)), to a first module "
+            "that takes the tuple."
+        )
     options = make_options(
         preserve_rng_state=preserve_rng_state,
         determinism_check=determinism_check,
