@@ -4,7 +4,8 @@ With no arguments it validates the default model on CUDA when available, else on
 the CPU. ``--model`` names an embedded model, or your own chain as
 ``module:function``, a function of no arguments that returns ``(chain,
 sample_batch)`` (the module imported as ``python -m`` imports, from the current
-directory too). ``profile`` prints the per-layer table the planner uses;
+directory too); ``validate`` also takes a whole model there, its blocks
+checkpointed by ``checkpoint_blocks``. ``profile`` prints the per-layer table the planner uses;
 ``plan`` prints the plan for a budget with its predicted and measured peak and
 time, and with ``--plot`` the memory/time frontier; ``--autocast bf16`` (or
 ``fp16``) profiles, plans and measures the forward under ``torch.autocast``,
@@ -58,12 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Show that checkpointing keeps gradients and lowers peak memory.",
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
-    v = sub.add_parser("validate", help="plain vs checkpointed step on embedded models")
+    v = sub.add_parser(
+        "validate", help="plain vs checkpointed step on embedded models or yours"
+    )
     v.add_argument(
         "--model",
         default=DEFAULT_MODEL,
         help=f"one of {', '.join(MODELS)}, or all (default {DEFAULT_MODEL}); "
-        + YOUR_CHAIN,
+        "or your own chain or whole model (its blocks checkpointed by "
+        "checkpoint_blocks) as module:function returning (model, sample_batch)",
     )
     v.add_argument("--device", choices=["cpu", "cuda"], default=None)
     v.add_argument("--segments", type=int, default=None, help="segment count")
@@ -131,7 +135,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             (
                 r["model"],
                 r["device"],
-                str(r["segments"]),
+                str(r["segments"])
+                if r["segments"] is not None
+                else f"each of {r['blocks']} blocks",
                 f"{r['peak_mib_plain']:.2f}",
                 f"{r['peak_mib_checkpointed']:.2f}",
                 f"{r['reduction_pct']:.1f}",
@@ -148,11 +154,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
-def load_chain(args: argparse.Namespace, names: str) -> tuple[Any, Any]:
+def load_chain(
+    args: argparse.Namespace, names: str, whole_models: bool = False
+) -> tuple[Any, Any]:
     """``(chain, sample_batch)`` from ``--model module:function``: the module
     imported (``python -m`` imports from the current directory too), the
     function called without arguments; ``names``: the embedded models the
-    option also takes, for the error. ``--batch`` is refused: the sample
+    option also takes, for the error; ``whole_models``: any ``nn.Module`` is
+    taken, not only chains (validate). ``--batch`` is refused: the sample
     sets the batch."""
     spec = args.model
     module_name, _, attribute = spec.partition(":")
@@ -180,17 +189,18 @@ def load_chain(args: argparse.Namespace, names: str) -> tuple[Any, Any]:
             f"seqckpt: {where}: {module_name} has no function {attribute!r}."
         )
     made = function()
-    if not (
-        isinstance(made, tuple)
-        and len(made) == 2
-        and isinstance(made[0], (nn.Sequential, nn.ModuleList))
-    ):
+    taken = nn.Module if whole_models else (nn.Sequential, nn.ModuleList)
+    if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], taken)):
         got = type(made).__name__
         if isinstance(made, tuple) and len(made) == 2:
             got = f"({type(made[0]).__name__}, {type(made[1]).__name__})"
+        kind = (
+            "(model, sample_batch), the model an nn.Module"
+            if whole_models
+            else "(chain, sample_batch), the chain an nn.Sequential or nn.ModuleList"
+        )
         raise ValueError(
-            f"seqckpt: {where}: {attribute}() must return (chain, sample_batch), "
-            f"the chain an nn.Sequential or nn.ModuleList; got {got}."
+            f"seqckpt: {where}: {attribute}() must return {kind}; got {got}."
         )
     return made
 
@@ -310,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         model: Any = args.model
         sample = None
         if model not in MODELS and model != "all":
-            model, sample = load_chain(args, ", ".join([*MODELS, "all"]))
+            model, sample = load_chain(
+                args, ", ".join([*MODELS, "all"]), whole_models=True
+            )
         rows = validate(
             model,
             args.device,

@@ -1,6 +1,6 @@
-"""Validation: run a chain plainly and checkpointed from the same RNG state and
+"""Validation: run a model plainly and checkpointed from the same RNG state and
 report whether gradients match, how much peak memory dropped and what it cost:
-an embedded model by name, or your own chain with a sample batch.
+an embedded model by name, or your own chain or whole model with a sample batch.
 
 Example:
     >>> import seqckpt
@@ -16,7 +16,8 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -24,6 +25,7 @@ from torch import nn
 
 from seqckpt._chain import as_chain
 from seqckpt._tree import replace_tensors, tensors_in
+from seqckpt.blocks import CheckpointedForward, checkpoint_blocks
 from seqckpt.memory import timed, track_memory
 from seqckpt.models import MODELS
 from seqckpt.sequential import checkpoint_sequential
@@ -62,23 +64,31 @@ def model_names(model: str) -> list[str]:
     return [model]
 
 
-def _step(model: nn.Module, x: Any, forward: Callable[[nn.Module, Any], Any]) -> None:
+# A variant's forward: the model and the sample in, the output out.
+Forward = Callable[[nn.Module, Any], Any]
+
+
+def _step(model: nn.Module, x: Any, forward: Forward) -> None:
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
     out = forward(model, x)
-    if not isinstance(out, torch.Tensor):
+    # the sum of every output tensor that requires grad (a head's logits, an HF
+    # model's output fields, an LSTM's output and state)
+    sums = [t.float().sum() for t in tensors_in(out) if t.requires_grad]
+    if not sums:
         raise TypeError(
-            "seqckpt: validate backpropagates the sum of the chain's output, which "
-            f"must be a tensor; the chain returned {type(out).__name__}. End it "
-            "with a module that returns one tensor (a head, a loss)."
+            "seqckpt: validate backpropagates the sum of the output's tensors, "
+            f"but {type(model).__name__} returned {type(out).__name__} holding "
+            "none that requires grad. Make it return its activations (a head's "
+            "output, a loss)."
         )
-    torch.autograd.backward(out.float().sum())
+    torch.autograd.backward(sums)
 
 
 def _time(
     model: nn.Module,
     x: Any,
-    forward: Callable[[nn.Module, Any], Any],
+    forward: Forward,
     device: torch.device,
     repeats: int,
 ) -> float:
@@ -96,13 +106,14 @@ def _differences(
 ) -> tuple[bool, bool, float, list[tuple[torch.Tensor, torch.Tensor]]]:
     """(gradients bitwise equal, buffers bitwise equal, largest gradient
     difference, the gradient pairs) of two models after one step each."""
-    grads = [(p.grad, q.grad) for p, q in zip(a.parameters(), b.parameters())]  # noqa: B905
+    theirs = dict(b.named_parameters())
+    grads = [(p.grad, theirs[name].grad) for name, p in a.named_parameters()]
     same_none = all((g is None) == (h is None) for g, h in grads)
     pairs = [(g, h) for g, h in grads if g is not None and h is not None]
     grads_equal = same_none and all(torch.equal(g, h) for g, h in pairs)
+    their_buffers = dict(b.named_buffers())
     buffers_equal = all(
-        torch.equal(u, v)
-        for u, v in zip(a.buffers(), b.buffers())  # noqa: B905
+        torch.equal(u, their_buffers[name]) for name, u in a.named_buffers()
     )
     max_diff = max((_largest_difference(g, h) for g, h in pairs), default=0.0)
     return grads_equal, buffers_equal, max_diff, pairs
@@ -142,13 +153,14 @@ def validate_one(
     """Validate one embedded model; returns its row (see :func:`validate`)."""
     spec = MODELS[name]
     k = spec.segments if segments is None else segments
-    return _compare(
-        name, spec.build().to(device), spec.sample(device, batch), device, k, repeats
-    )
+    model = spec.build().to(device)
+    shape = {"segments": k, "blocks": len(model)}
+    x = spec.sample(device, batch)
+    return _compare(name, model, x, device, *_chain_variants(k), shape, repeats)
 
 
-def validate_chain(
-    chain: nn.Module,
+def validate_yours(
+    model: nn.Module,
     sample: Any,
     device: str | None = None,
     segments: int | None = None,
@@ -156,38 +168,126 @@ def validate_chain(
     progress: bool = False,
     repeats: int = 3,
 ) -> dict[str, Any]:
-    """Validate your own chain on ``sample``; returns its row (see
-    :func:`validate`). The chain is copied (yours gets no gradients and stays
-    where it is); ``device`` None runs where the sample is."""
-    if not isinstance(chain, (nn.Sequential, nn.ModuleList)):
+    """Validate your own chain or whole model on ``sample``; returns its row
+    (see :func:`validate`). The model is copied (yours gets no gradients and
+    stays where it is); ``device`` None runs where the sample is."""
+    if not isinstance(model, nn.Module):
         raise TypeError(
             "seqckpt: argument 'model' of validate must be the name of an embedded "
-            f"model ({', '.join(MODELS)} or 'all') or your chain as an "
-            f"nn.Sequential or nn.ModuleList, got {type(chain).__name__}; wrap the "
-            "layers in nn.Sequential(...)."
+            f"model ({', '.join(MODELS)} or 'all'), your chain (an nn.Sequential "
+            "or nn.ModuleList) or your model (an nn.Module), got "
+            f"{type(model).__name__}."
         )
-    n = len(as_chain(chain, "model"))
+    chain = isinstance(model, (nn.Sequential, nn.ModuleList))
+    what = "chain" if chain else "model"
     if sample is None:
+        taken = (
+            "what the chain's first layer takes"
+            if chain
+            else "a dict of keywords, a tuple of arguments, or the one argument "
+            "its forward takes"
+        )
         raise ValueError(
-            "seqckpt: validate(model=<your chain>) needs sample=, a batch like the "
-            "training ones (what the chain's first layer takes)."
+            f"seqckpt: validate(<your {what}>) needs sample=, a batch like the "
+            f"training ones ({taken})."
         )
     if batch is not None:
         raise ValueError(
             f"seqckpt: batch={batch} sizes the embedded models' inputs; for your "
-            "chain the sample sets the batch. Leave batch out."
+            f"{what} the sample sets the batch. Leave batch out."
         )
-    k = max(1, round(math.sqrt(n))) if segments is None else segments
-    if not 1 <= k <= n:
-        raise ValueError(
-            f"seqckpt: segments must be between 1 and {n} for your chain ({n} "
-            f"modules), got {k}."
-        )
-    x, dev = place(sample, device, chain)
-    name = type(chain).__name__
+    if isinstance(sample, Mapping) and not isinstance(sample, dict):
+        sample = dict(sample)  # (a tokenizer's BatchEncoding)
+    x, dev = place(sample, device, model)
+    name = type(model).__name__
+    if chain:
+        n = len(as_chain(model, "model"))
+        k = max(1, round(math.sqrt(n))) if segments is None else segments
+        if not 1 <= k <= n:
+            raise ValueError(
+                f"seqckpt: segments must be between 1 and {n} for your chain ({n} "
+                f"modules), got {k}."
+            )
+        variants, shape = _chain_variants(k), {"segments": k, "blocks": n}
+    else:
+        variants, shape = _whole_model_variants(model, segments)
     if progress:
         print(f"seqckpt: validating your {name} on {dev} ...", file=sys.stderr)
-    return _compare(name, copy.deepcopy(chain).to(dev), x, dev, k, repeats)
+    base = copy.deepcopy(model).to(dev)
+    return _compare(name, base, x, dev, *variants, shape, repeats)
+
+
+# How a variant is run: the forward of the plain copies, the forward of the
+# checkpointed copy, and what turns a plain copy into the checkpointed one.
+Variants = tuple[Forward, Forward, Callable[[nn.Module], nn.Module]]
+
+
+def _chain_variants(k: int) -> Variants:
+    """A chain run module by module, and through checkpoint_sequential in
+    ``k`` segments."""
+
+    def plain(m: nn.Module, t: Any) -> Any:
+        for layer in cast(nn.Sequential, m):  # (a ModuleList too: its calls)
+            t = layer(t)
+        return t
+
+    def checkpointed(m: nn.Module, t: Any) -> Any:
+        return checkpoint_sequential(cast(nn.Sequential, m), k, t)
+
+    return plain, checkpointed, _unchanged
+
+
+def _unchanged(m: nn.Module) -> nn.Module:
+    return m
+
+
+def _call(model: nn.Module, x: Any) -> Any:
+    """A whole model called on the sample: a dict as keywords (as HF models
+    take a batch), a tuple as positional arguments, anything else as the one
+    argument."""
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, tuple):
+        return model(*x)
+    return model(x)
+
+
+def _whole_model_variants(
+    model: nn.Module, segments: int | None
+) -> tuple[Variants, dict[str, Any]]:
+    """A whole model called plainly, and with its blocks checkpointed by
+    :func:`~seqckpt.checkpoint_blocks` (on a copy); the row's ``segments``
+    and ``blocks``. Refused where that would checkpoint nothing."""
+    name = type(model).__name__
+    if not model.training:
+        raise ValueError(
+            f"seqckpt: your {name} is in eval mode, where checkpointed blocks run "
+            "plainly (as HF's and timm's own checkpointing do); call "
+            "model.train() before validate."
+        )
+
+    def with_blocks(m: nn.Module) -> nn.Module:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # said once, below
+            return checkpoint_blocks(m, segments)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trial = checkpoint_blocks(copy.deepcopy(model), segments)
+    blocks = sum(
+        isinstance(m.__dict__.get("forward"), CheckpointedForward)
+        for m in trial.modules()
+    )
+    if blocks == 0:
+        raise ValueError(
+            f"seqckpt: checkpoint_blocks finds no stack of repeated blocks in your "
+            f"{name}, so validate would compare it with itself. Validate its "
+            "trunk as a chain: seqckpt.validate(model.features, sample=...) for "
+            "an nn.Sequential or nn.ModuleList of its layers."
+        )
+    for w in caught:  # what else checkpoint_blocks says (own checkpointing on)
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return (_call, _call, with_blocks), {"segments": segments, "blocks": blocks}
 
 
 def place(
@@ -213,35 +313,32 @@ def batch_of(x: Any) -> int | None:
 
 
 def _compare(
-    name: str, model: nn.Module, x: Any, device: torch.device, k: int, repeats: int
+    name: str,
+    model: nn.Module,
+    x: Any,
+    device: torch.device,
+    plain: Forward,
+    checkpointed: Forward,
+    prepare: Callable[[nn.Module], nn.Module],
+    shape: dict[str, Any],
+    repeats: int,
 ) -> dict[str, Any]:
-    """The row of ``validate`` for ``model`` on ``x``, checkpointed in ``k``
-    segments."""
-
-    def plain(m: nn.Module, t: Any) -> Any:
-        for layer in cast(nn.Sequential, m):  # (a ModuleList too: its calls)
-            t = layer(t)
-        return t
-
-    def checkpointed(m: nn.Module, t: Any) -> Any:
-        return checkpoint_sequential(cast(nn.Sequential, m), k, t)
-
+    """The row of ``validate`` for ``model`` on ``x``, plain and checkpointed
+    (``prepare`` turns a copy into the checkpointed model); ``shape``: the
+    row's ``segments`` and ``blocks``."""
     # Warm up on throwaway copies: the first cuBLAS / cuDNN calls allocate
     # workspaces that stay, which would otherwise count against whichever
     # variant is measured first.
-    for forward in (plain, checkpointed):
-        _step(copy.deepcopy(model), x, forward)
+    _step(copy.deepcopy(model), x, plain)
+    _step(prepare(copy.deepcopy(model)), x, checkpointed)
 
     # One measured step each from identical state: memory and gradients. The
     # plain run twice, so that the difference the device's kernels make by
     # themselves is known (zero on the CPU and with deterministic algorithms).
     runs = {
-        label: (copy.deepcopy(model), forward)
-        for label, forward in (
-            ("plain", plain),
-            ("plain again", plain),
-            ("checkpointed", checkpointed),
-        )
+        "plain": (copy.deepcopy(model), plain),
+        "plain again": (copy.deepcopy(model), plain),
+        "checkpointed": (prepare(copy.deepcopy(model)), checkpointed),
     }
     peaks, reserved = {}, {}
     for label, (m, forward) in runs.items():
@@ -296,7 +393,7 @@ def _compare(
     return {
         "model": name,
         "device": str(device),
-        "segments": k,
+        **shape,
         "batch": batch_of(x),
         "peak_mib_plain": peaks["plain"] / 2**20,
         "peak_mib_checkpointed": peaks["checkpointed"] / 2**20,
@@ -335,48 +432,58 @@ def validate(
     *,
     sample: Any = None,
 ) -> list[dict[str, Any]]:
-    """Validate checkpointing on the embedded models, or on your own chain.
+    """Validate checkpointing on the embedded models, or on your own chain or model.
 
     For each model, after a warm-up step of each variant on throwaway copies
     (the first cuBLAS and cuDNN calls allocate workspaces that stay), runs one
-    training step plainly, a second plain one and one checkpointed with
-    :func:`seqckpt.checkpoint_sequential`, all from the same weights and RNG
-    seed, and reports peak memory (``seqckpt.track_memory``: allocated, and on
+    training step plainly, a second plain one and one checkpointed (a chain
+    with :func:`seqckpt.checkpoint_sequential`, a whole model with its blocks
+    checkpointed by :func:`seqckpt.checkpoint_blocks`), all from the same
+    weights and RNG seed, and reports peak memory (``seqckpt.track_memory``: allocated, and on
     CUDA reserved), the step-time ratio (median of ``3`` steps each) and whether
     gradients and buffers match. Gradients: bitwise on the CPU and with
     deterministic algorithms (see :func:`make_deterministic`), otherwise
     ``allclose(rtol=1e-4, atol=1e-6)`` or, per tensor, within 4x the
     difference between two plain runs (the device's own floor, also reported;
     see :func:`grads_close`). Buffers (BatchNorm
-    statistics): always exactly. A step backpropagates the sum of the chain's
-    output.
+    statistics): always exactly. A step backpropagates the sum of the
+    output's tensors that require grad.
 
     Args:
         model: a name from :data:`seqckpt.models.MODELS`, or ``"all"``; or your
-            chain as an ``nn.Sequential`` or ``nn.ModuleList``, with ``sample``.
-            Your chain is copied: it gets no gradients and is not moved.
+            chain as an ``nn.Sequential`` or ``nn.ModuleList``, or your whole
+            model as any other ``nn.Module`` (in training mode), with
+            ``sample``. Yours is copied: it gets no gradients and is not moved.
         device: ``"cpu"``, ``"cuda"`` or None (embedded models: CUDA when
-            available; your chain: where the sample is).
+            available; yours: where the sample is).
         segments: segment count; None uses each embedded model's default, and
-            the square root of the length (rounded) for your chain.
+            the square root of the length (rounded) for your chain; for your
+            whole model, ``checkpoint_blocks``'s: None, every block its own
+            region, or segments per ``nn.Sequential`` stack.
         batch: batch size of the embedded models; None uses their CPU or GPU
-            default (your sample sets your chain's).
+            default (your sample sets yours).
         progress: print a line per model on stderr.
-        sample: a batch for your chain's first layer (with a name: not taken).
+        sample: a batch for your chain's first layer; for your whole model a
+            dict of keywords (a tokenizer's output: ``model(**sample)``), a
+            tuple of positional arguments, or the one argument (with a name:
+            not taken).
 
     Returns:
-        One dict per model with keys ``model, device, segments, batch,
-        peak_mib_plain, peak_mib_checkpointed, reserved_mib_plain,
+        One dict per model with keys ``model, device, segments, blocks,
+        batch, peak_mib_plain, peak_mib_checkpointed, reserved_mib_plain,
         reserved_mib_checkpointed, reduction_pct, time_ratio,
         max_abs_grad_diff, plain_vs_plain_max_abs_grad_diff, bitwise_equal,
-        grad_rule, ok, reason``; ``model`` is your chain's class name.
+        grad_rule, ok, reason``; ``model`` is your model's class name,
+        ``blocks`` a chain's length or the number of blocks
+        ``checkpoint_blocks`` checkpointed in your model.
 
     Raises:
         ValueError: unknown model, CUDA asked for without a GPU, segments out of
-            range for a model, a batch below 1, a chain without a sample (or a
-            sample with a name, or a batch with a chain).
-        TypeError: ``model`` neither a name nor a chain, a chain whose output
-            is not a tensor.
+            range for a model, a batch below 1, your model without a sample (or
+            a sample with a name, or a batch with yours), your whole model in
+            eval mode or without a stack of blocks to checkpoint.
+        TypeError: ``model`` neither a name nor a module, an output holding no
+            tensor that requires grad.
 
     Example:
         >>> import torch, seqckpt
@@ -387,9 +494,22 @@ def validate(
         >>> (row,) = seqckpt.validate(chain, sample=torch.randn(256, 64))
         >>> row["model"], row["segments"], row["bitwise_equal"], row["ok"]
         ('Sequential', 3, True, True)
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.blocks = torch.nn.ModuleList(
+        ...             torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+        ...             for _ in range(4))
+        ...     def forward(self, x, scale=1.0):
+        ...         for block in self.blocks:
+        ...             x = block(x) * scale
+        ...         return x
+        >>> (row,) = seqckpt.validate(Net(), sample={"x": torch.randn(256, 64)})
+        >>> row["model"], row["blocks"], row["bitwise_equal"], row["ok"]
+        ('Net', 4, True, True)
     """
     if not isinstance(model, str):
-        return [validate_chain(model, sample, device, segments, batch, progress)]
+        return [validate_yours(model, sample, device, segments, batch, progress)]
     if sample is not None:
         raise ValueError(
             f"seqckpt: sample= is for your own chain; the embedded model {model!r} "

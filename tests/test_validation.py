@@ -228,19 +228,85 @@ def test_validate_says_when_gradients_hide_what_checkpointing_drops(
         (lambda c, x: seqckpt.validate("mlp", sample=x), ValueError, "sample= is for"),
         (lambda c, x: seqckpt.validate(c, batch=4, sample=x), ValueError, "batch=4"),
         (lambda c, x: seqckpt.validate(c, segments=0, sample=x), ValueError, "got 0"),
-        (lambda c, x: seqckpt.validate(c[0], sample=x), TypeError, "got Linear"),
+        (lambda c, x: seqckpt.validate(3, sample=x), TypeError, "got int"),
         (
-            lambda c, x: seqckpt.validate(nn.Sequential(nn.LSTM(8, 8)), sample=x),
+            lambda c, x: seqckpt.validate(nn.Sequential(_Argmax()), sample=x),
             TypeError,
-            "the chain returned tuple",
+            "Sequential returned Tensor holding none that requires grad",
         ),
+        # a whole model: its blocks are checkpointed, so it needs some
+        (lambda c, x: seqckpt.validate(c[0], sample=x), ValueError, "no stack"),
+        (lambda c, x: seqckpt.validate(_Blocks().eval(), sample=x), ValueError, "eval"),
+        (lambda c, x: seqckpt.validate(_Blocks()), ValueError, "tuple of arguments"),
     ],
 )
-def test_validate_your_chain_errors(call, error, pattern) -> None:  # type: ignore[no-untyped-def]
+def test_validate_your_model_errors(call, error, pattern) -> None:  # type: ignore[no-untyped-def]
     chain = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
     with pytest.raises(error, match=pattern) as info:
         call(chain, torch.randn(2, 8))
     assert str(info.value).startswith("seqckpt: ")
+
+
+class _Argmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(-1)
+
+
+class _Blocks(nn.Module):
+    """A whole model: an input layer, a ModuleList of blocks with dropout and
+    batch norm looped over with a keyword, a head returning a dict."""
+
+    def __init__(self, inner: type[nn.Module] = nn.Tanh) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(), inner())
+            for _ in range(4)
+        )
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x) * scale
+        return {"logits": self.head(x), "features": x}
+
+
+def test_validate_takes_your_whole_model_and_leaves_it_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = _Blocks()
+    x = torch.randn(64, 8)
+    # a dict: keywords (as HF models take a batch); a tuple: positional arguments
+    (row,) = seqckpt.validate(model, sample={"x": x, "scale": 0.5})
+    assert row["bitwise_equal"] and row["ok"], row
+    assert (row["model"], row["segments"], row["blocks"], row["batch"]) == (
+        "_Blocks",
+        None,
+        4,
+        64,
+    )
+    assert row["peak_mib_checkpointed"] < row["peak_mib_plain"]
+    (row,) = seqckpt.validate(model, sample=(x, 2.0))
+    assert row["bitwise_equal"] and row["ok"], row
+    # validated on copies: no gradients, statistics as they were, no
+    # checkpointed forward set on the blocks
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model.blocks[0][1].running_mean, torch.zeros(16))
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_validate_passes_on_what_checkpoint_blocks_warns_once() -> None:
+    model = _Blocks()
+    model.grad_checkpointing = True  # as timm's own switch sets it (unused here)
+    with pytest.warns(UserWarning, match="has its own checkpointing on") as said:
+        (row,) = seqckpt.validate(model, sample=torch.randn(64, 8))
+    assert row["ok"], row
+    assert sum("own checkpointing" in str(w.message) for w in said) == 1
+
+
+def test_validate_reports_your_whole_model_that_recomputes_differently() -> None:
+    (row,) = seqckpt.validate(_Blocks(_CountsItsCalls), sample=torch.randn(4, 8))
+    assert not row["ok"] and "gradients differ" in row["reason"], row
 
 
 _CHAIN_MODULE = """
@@ -257,6 +323,23 @@ def not_a_pair():
 
 def not_a_chain():
     return nn.Linear(8, 8), torch.randn(2, 8)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8))
+            for _ in range(3)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+def make_model():
+    torch.manual_seed(0)
+    return Net(), torch.randn(64, 8)
 """
 
 
@@ -281,14 +364,22 @@ def test_cli_takes_your_chain_as_module_function(
     assert len(capsys.readouterr().out.strip().splitlines()) == 1 + 4
     assert main(["plan", "--model", spec, "--policies", "none"]) == 0
     assert capsys.readouterr().out.startswith("Plan for layers 0-3")
+    # a whole model: validate only (profile and plan take chains)
+    spec = f"{chain_module}:make_model"
+    assert main(["validate", "--model", spec]) == 0
+    assert "each of 3 blocks" in capsys.readouterr().out
+    assert main(["profile", "--model", spec]) == 2
+    assert "the chain an nn.Sequential or nn.ModuleList; got (Net, Tensor)" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("command", ["validate", "profile", "plan"])
 @pytest.mark.parametrize(
     ("model", "extra", "pattern"),
     [
-        ("{m}:not_a_pair", [], "must return (chain, sample_batch), the chain"),
-        ("{m}:not_a_chain", [], "got (Linear, Tensor)"),
+        ("{m}:not_a_pair", [], "must return ("),
+        ("{m}:not_a_chain", [], "{not_a_chain}"),
         ("{m}:nowhere", [], "has no function 'nowhere'"),
         ("seqckpt_no_such_module:make", [], "cannot import 'seqckpt_no_such_module'"),
         ("{m}:make", ["--batch", "4"], "Leave --batch out"),
@@ -304,6 +395,13 @@ def test_cli_your_chain_errors_are_one_line(
 ) -> None:
     argv = [command, "--model", model.format(m=chain_module), *extra]
     assert main(argv) == 2
+    # a Linear: no chain for profile and plan, a whole model without blocks
+    # for validate
+    pattern = pattern.format(
+        not_a_chain="finds no stack"
+        if command == "validate"
+        else "got (Linear, Tensor)"
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("seqckpt: ") and pattern in err[0], err
 
