@@ -337,3 +337,36 @@ def test_hf_attention_kept_whole_through_either_route(example: dict[str, Any]) -
     assert len(calls) == 3
     loss(out).backward()
     assert len(calls) == 3  # each layer recomputed, its attention served
+
+
+@pytest.mark.slow
+def test_validate_takes_real_whole_models() -> None:
+    """seqckpt.validate on a timm ViT (a tensor sample) and an HF Llama (a
+    dict sample: keywords, logits and loss in the output): bitwise, lighter."""
+    import torch
+
+    import seqckpt
+
+    timm = pytest.importorskip("timm")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    vit = timm.create_model(
+        "vit_tiny_patch16_224", num_classes=10, drop_rate=0.1, drop_path_rate=0.1
+    )
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=64,
+    )
+    llama = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (8, 64))
+    for model, sample, blocks in (
+        (vit, torch.randn(2, 3, 224, 224), 12),
+        (llama, {"input_ids": ids, "labels": ids}, 3),
+    ):
+        (row,) = seqckpt.validate(model.train(), sample=sample)
+        assert row["bitwise_equal"] and row["ok"], row
+        assert row["blocks"] == blocks
