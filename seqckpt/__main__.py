@@ -5,12 +5,12 @@ the CPU. ``--model`` names an embedded model, or your own chain as
 ``module:function``, a function of no arguments that returns ``(chain,
 sample_batch)`` (the module imported as ``python -m`` imports, from the current
 directory too); ``validate`` also takes a whole model there, its blocks
-checkpointed by ``checkpoint_blocks``. ``profile`` prints the per-layer table the planner uses;
-``plan`` prints the plan for a budget with its predicted and measured peak and
-time, and with ``--plot`` the memory/time frontier; ``--autocast bf16`` (or
-``fp16``) profiles, plans and measures the forward under ``torch.autocast``,
-backward after it, as torch's mixed-precision recipe runs a step. Bad arguments
-give one line on stderr and exit status 2.
+checkpointed by ``checkpoint_blocks``. ``profile`` prints the per-layer table
+the planner uses; ``plan`` prints the plan for a budget with its predicted and
+measured peak and time, and with ``--plot`` the memory/time frontier;
+``--autocast bf16`` (or ``fp16``) profiles, plans and measures the forward
+under ``torch.autocast``, backward after it, as torch's mixed-precision recipe
+runs a step. Bad arguments give one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
