@@ -178,7 +178,11 @@ def validate_yours(
             "or nn.ModuleList) or your model (an nn.Module), got "
             f"{type(model).__name__}."
         )
-    chain = isinstance(model, (nn.Sequential, nn.ModuleList))
+    # (a container subclass with a forward of its own is a model: a chain's
+    # run would skip what that forward does between the layers)
+    chain = isinstance(model, (nn.Sequential, nn.ModuleList)) and type(
+        model
+    ).forward in (nn.Sequential.forward, nn.ModuleList.forward)
     what = "chain" if chain else "model"
     if sample is None:
         taken = (

@@ -295,6 +295,24 @@ def test_validate_takes_your_whole_model_and_leaves_it_as_it_was() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
 
 
+class _ScaledList(nn.ModuleList):
+    """A ModuleList with a forward of its own: a model, not a chain."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            x = layer(x) * 0.5
+        return x
+
+
+def test_validate_runs_a_container_with_its_own_forward_as_a_model() -> None:
+    torch.manual_seed(0)
+    blocks = _ScaledList(
+        nn.Sequential(nn.Linear(8, 64), nn.GELU(), nn.Linear(64, 8)) for _ in range(3)
+    )
+    (row,) = seqckpt.validate(blocks, sample=torch.randn(64, 8))
+    assert row["ok"] and (row["segments"], row["blocks"]) == (None, 3), row
+
+
 def test_validate_passes_on_what_checkpoint_blocks_warns_once() -> None:
     model = _Blocks()
     model.grad_checkpointing = True  # as timm's own switch sets it (unused here)
