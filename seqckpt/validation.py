@@ -203,6 +203,10 @@ def validate_yours(
     if isinstance(sample, Mapping) and not isinstance(sample, dict):
         sample = dict(sample)  # (a tokenizer's BatchEncoding)
     x, dev = place(sample, device, model)
+    # leaves of our own, so that your batch gets no gradients either
+    x = replace_tensors(
+        x, [t.detach().requires_grad_(t.requires_grad) for t in tensors_in(x)]
+    )
     name = type(model).__name__
     if chain:
         n = len(as_chain(model, "model"))
@@ -457,7 +461,8 @@ def validate(
         model: a name from :data:`seqckpt.models.MODELS`, or ``"all"``; or your
             chain as an ``nn.Sequential`` or ``nn.ModuleList``, or your whole
             model as any other ``nn.Module`` (in training mode), with
-            ``sample``. Yours is copied: it gets no gradients and is not moved.
+            ``sample``. Yours is copied: it gets no gradients and is not moved
+            (nor does your sample get any).
         device: ``"cpu"``, ``"cuda"`` or None (embedded models: CUDA when
             available; yours: where the sample is).
         segments: segment count; None uses each embedded model's default, and

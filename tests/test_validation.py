@@ -286,8 +286,10 @@ def test_validate_takes_your_whole_model_and_leaves_it_as_it_was() -> None:
         64,
     )
     assert row["peak_mib_checkpointed"] < row["peak_mib_plain"]
+    x.requires_grad_()  # (input gradients are computed, not compared)
     (row,) = seqckpt.validate(model, sample=(x, 2.0))
     assert row["bitwise_equal"] and row["ok"], row
+    assert x.grad is None  # the batch is left as it was too
     # validated on copies: no gradients, statistics as they were, no
     # checkpointed forward set on the blocks
     assert all(p.grad is None for p in model.parameters())
