@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--device", choices=["cpu", "cuda"], default=None)
     v.add_argument("--segments", type=int, default=None, help="segment count")
+    v.add_argument(
+        "--policy",
+        choices=["none", *POLICIES],
+        default="none",
+        help="what each checkpointed region keeps (default none: its inputs only)",
+    )
     v.add_argument("--batch", type=int, default=None, help="batch size")
     v.add_argument("--json", action="store_true", help="print the rows as JSON")
     v.add_argument(
@@ -123,6 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _segments_column(row: dict[str, Any]) -> str:
+    text = (
+        str(row["segments"])
+        if row["segments"] is not None
+        else f"each of {row['blocks']} blocks"
+    )
+    return text if row["policy"] is None else f"{text}, {row['policy']}"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "model", "device", "segments", "peak MiB plain", "peak MiB ckpt",
@@ -135,9 +150,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             (
                 r["model"],
                 r["device"],
-                str(r["segments"])
-                if r["segments"] is not None
-                else f"each of {r['blocks']} blocks",
+                _segments_column(r),
                 f"{r['peak_mib_plain']:.2f}",
                 f"{r['peak_mib_checkpointed']:.2f}",
                 f"{r['reduction_pct']:.1f}",
@@ -330,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             args.batch,
             progress=not args.json,
             sample=sample,
+            policy=None if args.policy == "none" else args.policy,
         )
         if sample is not None:
             rows[0]["model"] = args.model  # module:function, not the class

@@ -28,6 +28,7 @@ from seqckpt._tree import replace_tensors, tensors_in
 from seqckpt.blocks import CheckpointedForward, checkpoint_blocks
 from seqckpt.memory import timed, track_memory
 from seqckpt.models import MODELS
+from seqckpt.policies import Policy, as_policy
 from seqckpt.sequential import checkpoint_sequential
 
 __all__ = ["validate"]
@@ -149,14 +150,16 @@ def validate_one(
     segments: int | None = None,
     batch: int | None = None,
     repeats: int = 3,
+    policy: Policy | None = None,
 ) -> dict[str, Any]:
     """Validate one embedded model; returns its row (see :func:`validate`)."""
     spec = MODELS[name]
     k = spec.segments if segments is None else segments
     model = spec.build().to(device)
-    shape = {"segments": k, "blocks": len(model)}
+    shape = {"segments": k, "blocks": len(model), "policy": _label(policy)}
     x = spec.sample(device, batch)
-    return _compare(name, model, x, device, *_chain_variants(k), shape, repeats)
+    variants = _chain_variants(k, policy)
+    return _compare(name, model, x, device, *variants, shape, repeats)
 
 
 def validate_yours(
@@ -167,6 +170,7 @@ def validate_yours(
     batch: int | None = None,
     progress: bool = False,
     repeats: int = 3,
+    policy: Policy | None = None,
 ) -> dict[str, Any]:
     """Validate your own chain or whole model on ``sample``; returns its row
     (see :func:`validate`). The model is copied (yours gets no gradients and
@@ -216,9 +220,11 @@ def validate_yours(
                 f"seqckpt: segments must be between 1 and {n} for your chain ({n} "
                 f"modules), got {k}."
             )
-        variants, shape = _chain_variants(k), {"segments": k, "blocks": n}
+        variants = _chain_variants(k, policy)
+        shape: dict[str, Any] = {"segments": k, "blocks": n}
     else:
-        variants, shape = _whole_model_variants(model, segments)
+        variants, shape = _whole_model_variants(model, segments, policy)
+    shape["policy"] = _label(policy)
     if progress:
         print(f"seqckpt: validating your {name} on {dev} ...", file=sys.stderr)
     base = copy.deepcopy(model).to(dev)
@@ -230,9 +236,13 @@ def validate_yours(
 Variants = tuple[Forward, Forward, Callable[[nn.Module], nn.Module]]
 
 
-def _chain_variants(k: int) -> Variants:
+def _label(policy: Policy | None) -> str | None:
+    return None if policy is None else str(policy)
+
+
+def _chain_variants(k: int, policy: Policy | None) -> Variants:
     """A chain run module by module, and through checkpoint_sequential in
-    ``k`` segments."""
+    ``k`` segments, keeping what ``policy`` says."""
 
     def plain(m: nn.Module, t: Any) -> Any:
         for layer in cast(nn.Sequential, m):  # (a ModuleList too: its calls)
@@ -240,7 +250,7 @@ def _chain_variants(k: int) -> Variants:
         return t
 
     def checkpointed(m: nn.Module, t: Any) -> Any:
-        return checkpoint_sequential(cast(nn.Sequential, m), k, t)
+        return checkpoint_sequential(cast(nn.Sequential, m), k, t, policy=policy)
 
     return plain, checkpointed, _unchanged
 
@@ -261,11 +271,12 @@ def _call(model: nn.Module, x: Any) -> Any:
 
 
 def _whole_model_variants(
-    model: nn.Module, segments: int | None
+    model: nn.Module, segments: int | None, policy: Policy | None
 ) -> tuple[Variants, dict[str, Any]]:
     """A whole model called plainly, and with its blocks checkpointed by
-    :func:`~seqckpt.checkpoint_blocks` (on a copy); the row's ``segments``
-    and ``blocks``. Refused where that would checkpoint nothing."""
+    :func:`~seqckpt.checkpoint_blocks` (on a copy), keeping what ``policy``
+    says; the row's ``segments`` and ``blocks``. Refused where that would
+    checkpoint nothing."""
     name = type(model).__name__
     if not model.training:
         raise ValueError(
@@ -277,11 +288,11 @@ def _whole_model_variants(
     def with_blocks(m: nn.Module) -> nn.Module:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # said once, below
-            return checkpoint_blocks(m, segments)
+            return checkpoint_blocks(m, segments, policy=policy)
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trial = checkpoint_blocks(copy.deepcopy(model), segments)
+        trial = checkpoint_blocks(copy.deepcopy(model), segments, policy=policy)
     blocks = sum(
         isinstance(m.__dict__.get("forward"), CheckpointedForward)
         for m in trial.modules()
@@ -439,6 +450,7 @@ def validate(
     progress: bool = False,
     *,
     sample: Any = None,
+    policy: Any = None,
 ) -> list[dict[str, Any]]:
     """Validate checkpointing on the embedded models, or on your own chain or model.
 
@@ -476,10 +488,14 @@ def validate(
             dict of keywords (a tokenizer's output: ``model(**sample)``), a
             tuple of positional arguments, or the one argument (with a name:
             not taken).
+        policy: what each checkpointed region keeps (see
+            :func:`seqckpt.checkpoint`: ``"compute_heavy"``, aten ops,
+            :func:`seqckpt.policies.names`, a callable); None keeps only
+            the regions' inputs.
 
     Returns:
         One dict per model with keys ``model, device, segments, blocks,
-        batch, peak_mib_plain, peak_mib_checkpointed, reserved_mib_plain,
+        policy, batch, peak_mib_plain, peak_mib_checkpointed, reserved_mib_plain,
         reserved_mib_checkpointed, reduction_pct, time_ratio,
         max_abs_grad_diff, plain_vs_plain_max_abs_grad_diff, bitwise_equal,
         grad_rule, ok, reason``; ``model`` is your model's class name,
@@ -517,8 +533,13 @@ def validate(
         >>> row["model"], row["blocks"], row["bitwise_equal"], row["ok"]
         ('Net', 4, True, True)
     """
+    chosen = as_policy(policy)  # (a bad policy fails before any run)
     if not isinstance(model, str):
-        return [validate_yours(model, sample, device, segments, batch, progress)]
+        return [
+            validate_yours(
+                model, sample, device, segments, batch, progress, policy=chosen
+            )
+        ]
     if sample is not None:
         raise ValueError(
             f"seqckpt: sample= is for your own chain; the embedded model {model!r} "
@@ -540,5 +561,5 @@ def validate(
                 f"seqckpt: --segments must be between 1 and {n} for model {name!r} "
                 f"({n} modules), got {segments}."
             )
-        rows.append(validate_one(name, dev, segments, batch))
+        rows.append(validate_one(name, dev, segments, batch, policy=chosen))
     return rows

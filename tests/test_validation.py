@@ -33,8 +33,8 @@ def test_validate_detects_differing_gradients(monkeypatch: pytest.MonkeyPatch) -
 
     real = v.checkpoint_sequential
 
-    def no_rng(m, k, x):  # type: ignore[no-untyped-def]
-        return real(m, k, x, preserve_rng_state=False)
+    def no_rng(m, k, x, **options):  # type: ignore[no-untyped-def]
+        return real(m, k, x, preserve_rng_state=False, **options)
 
     monkeypatch.setattr(v, "checkpoint_sequential", no_rng)
     (row,) = seqckpt.validate("mlp", device="cpu")
@@ -57,6 +57,7 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
         (["validate", "--batch", "0"], "--batch must be at least 1"),
         (["validate", "--device", "tpu"], "invalid choice: 'tpu'"),
         (["validate", "--nope"], "unrecognized arguments: --nope"),
+        (["validate", "--policy", "cheap"], "invalid choice: 'cheap'"),
     ],
 )
 def test_cli_bad_arguments(
@@ -238,6 +239,11 @@ def test_validate_says_when_gradients_hide_what_checkpointing_drops(
         (lambda c, x: seqckpt.validate(c[0], sample=x), ValueError, "no stack"),
         (lambda c, x: seqckpt.validate(_Blocks().eval(), sample=x), ValueError, "eval"),
         (lambda c, x: seqckpt.validate(_Blocks()), ValueError, "tuple of arguments"),
+        (
+            lambda c, x: seqckpt.validate(c, sample=x, policy="cheap"),
+            ValueError,
+            "argument 'policy' must be",
+        ),
     ],
 )
 def test_validate_your_model_errors(call, error, pattern) -> None:  # type: ignore[no-untyped-def]
@@ -304,6 +310,19 @@ class _ScaledList(nn.ModuleList):
         for layer in self:
             x = layer(x) * 0.5
         return x
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_validate_passes_a_policy_to_every_region(whole: bool) -> None:
+    torch.manual_seed(0)
+    model: nn.Module = _Blocks() if whole else _token_chain()
+    sample = torch.randn(256, 8) if whole else torch.randint(0, 40, (64, 32))
+    (without,) = seqckpt.validate(model, sample=sample)
+    (kept,) = seqckpt.validate(model, sample=sample, policy="compute_heavy")
+    assert kept["bitwise_equal"] and kept["ok"], kept
+    assert (without["policy"], kept["policy"]) == (None, "compute_heavy")
+    # the regions kept their linear layers' outputs: more memory than none
+    assert kept["peak_mib_checkpointed"] > without["peak_mib_checkpointed"]
 
 
 def test_validate_runs_a_container_with_its_own_forward_as_a_model() -> None:
@@ -386,8 +405,8 @@ def test_cli_takes_your_chain_as_module_function(
     assert capsys.readouterr().out.startswith("Plan for layers 0-3")
     # a whole model: validate only (profile and plan take chains)
     spec = f"{chain_module}:make_model"
-    assert main(["validate", "--model", spec]) == 0
-    assert "each of 3 blocks" in capsys.readouterr().out
+    assert main(["validate", "--model", spec, "--policy", "compute_heavy"]) == 0
+    assert "each of 3 blocks, compute_heavy" in capsys.readouterr().out
     assert main(["profile", "--model", spec]) == 2
     assert "the chain an nn.Sequential or nn.ModuleList; got (Net, Tensor)" in (
         capsys.readouterr().err
