@@ -70,7 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint_blocks) as module:function returning (model, sample_batch)",
     )
     v.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    v.add_argument("--segments", type=int, default=None, help="segment count")
+    v.add_argument(
+        "--segments",
+        type=int,
+        default=None,
+        help="segment count (a whole model: per nn.Sequential stack; default "
+        "every block its own region)",
+    )
     v.add_argument(
         "--policy",
         choices=["none", *POLICIES],
