@@ -126,6 +126,8 @@ step validate_deterministic 90 "" "$python" -m seqckpt validate --model all \
     --device "$device" --deterministic "${validate_batch[@]}"
 step validate_json 90 "" "$python" -m seqckpt validate --model all --device "$device" \
     --json "${validate_batch[@]}"
+step validate_policy 60 "" "$python" -m seqckpt validate --model gpt --device "$device" \
+    --policy compute_heavy "${validate_batch[@]}"
 
 bench() {  # bench NAME LIMIT FILES...: one benchmark file set, JSON and tables
     local name=$1 limit=$2

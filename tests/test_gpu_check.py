@@ -30,12 +30,13 @@ def test_gpu_check_runs_every_step_on_the_cpu(tmp_path: Path) -> None:
     assert done.returncode == 0, (steps, done.stderr[-3000:])
     assert set(steps) == {
         "environment", "cuda_tests", "clients", "validate", "validate_deterministic",
-        "validate_json", "bench_overhead", "bench_suite", "bench_planner",
+        "validate_json", "validate_policy", "bench_overhead", "bench_suite", "bench_planner",
         "bench_selective", "bench_shapes", "bench_torchscript", "frontier",
         "frontier_gpt",
     }  # fmt: skip
     assert all(status == "ok" for status in steps.values()), steps
     assert "bitwise equal" in (tmp_path / "validate.txt").read_text()
+    assert "3, compute_heavy" in (tmp_path / "validate_policy.txt").read_text()
     assert (tmp_path / "bench_suite.md").read_text().count("####") >= 5
     assert "seqckpt GPU check (cpu)" in done.stdout  # the summary table
 
