@@ -24,3 +24,11 @@ same = all(
     for a, b in zip(model.parameters(), twin.parameters(), strict=False)
 )
 print(f"gradients bitwise equal: {same}")
+
+# The same check done by seqckpt, on copies of the chain, with peak memory (at
+# a batch where activations, not the parameters' gradients, make the peak):
+(row,) = seqckpt.validate(model, sample=torch.randn(1024, 256), segments=4)
+print(
+    f"validate: bitwise equal {row['bitwise_equal']}, peak "
+    f"{row['peak_mib_plain']:.2f} -> {row['peak_mib_checkpointed']:.2f} MiB"
+)

@@ -102,6 +102,21 @@ def test_import_prints_nothing() -> None:
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
+def test_quickstart_example_prints_equal_gradients_and_a_lower_peak(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import runpy
+
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "quickstart.py"))
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert first == "gradients bitwise equal: True"
+    assert second.startswith("validate: bitwise equal True, peak ")
+    plain, checkpointed = (
+        float(v) for v in second.split("peak ")[1][:-4].split(" -> ")
+    )
+    assert checkpointed < plain
+
+
 @pytest.mark.cuda
 def test_validate_on_cuda() -> None:
     rows = seqckpt.validate("all", device="cuda")
