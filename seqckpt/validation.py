@@ -212,6 +212,8 @@ def validate_yours(
         x, [t.detach().requires_grad_(t.requires_grad) for t in tensors_in(x)]
     )
     name = type(model).__name__
+    if name == "OptimizedModule":  # torch.compile(model)
+        name = f"{type(model._orig_mod).__name__} (compiled)"
     if chain:
         n = len(as_chain(model, "model"))
         k = max(1, round(math.sqrt(n))) if segments is None else segments

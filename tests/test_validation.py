@@ -349,6 +349,14 @@ def test_validate_runs_a_container_with_its_own_forward_as_a_model() -> None:
     assert row["ok"] and (row["segments"], row["blocks"]) == (None, 3), row
 
 
+def test_validate_takes_a_compiled_model() -> None:
+    torch.manual_seed(0)
+    compiled = torch.compile(_ScaledList(nn.Linear(8, 8) for _ in range(3)))
+    (row,) = seqckpt.validate(compiled, sample=torch.randn(64, 8))
+    assert row["bitwise_equal"] and row["blocks"] == 3, row
+    assert row["model"] == "_ScaledList (compiled)"
+
+
 def test_validate_passes_on_what_checkpoint_blocks_warns_once() -> None:
     model = _Blocks()
     model.grad_checkpointing = True  # as timm's own switch sets it (unused here)
