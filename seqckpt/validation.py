@@ -156,9 +156,8 @@ def validate_one(
     spec = MODELS[name]
     k = spec.segments if segments is None else segments
     model = spec.build().to(device)
-    shape = {"segments": k, "blocks": len(model), "policy": _label(policy)}
+    variants, shape = _chain_variants(k, len(model), policy)
     x = spec.sample(device, batch)
-    variants = _chain_variants(k, policy)
     return _compare(name, model, x, device, *variants, shape, repeats)
 
 
@@ -222,11 +221,9 @@ def validate_yours(
                 f"seqckpt: segments must be between 1 and {n} for your chain ({n} "
                 f"modules), got {k}."
             )
-        variants = _chain_variants(k, policy)
-        shape: dict[str, Any] = {"segments": k, "blocks": n}
+        variants, shape = _chain_variants(k, n, policy)
     else:
-        variants, shape = _whole_model_variants(model, segments, policy)
-    shape["policy"] = _label(policy)
+        variants, shape = _whole_model_variants(model, name, segments, policy)
     if progress:
         print(f"seqckpt: validating your {name} on {dev} ...", file=sys.stderr)
     base = copy.deepcopy(model).to(dev)
@@ -238,13 +235,21 @@ def validate_yours(
 Variants = tuple[Forward, Forward, Callable[[nn.Module], nn.Module]]
 
 
-def _label(policy: Policy | None) -> str | None:
-    return None if policy is None else str(policy)
+def _shape(segments: int | None, blocks: int, policy: Policy | None) -> dict[str, Any]:
+    """The row's ``segments``, ``blocks`` and ``policy``."""
+    return {
+        "segments": segments,
+        "blocks": blocks,
+        "policy": None if policy is None else str(policy),
+    }
 
 
-def _chain_variants(k: int, policy: Policy | None) -> Variants:
-    """A chain run module by module, and through checkpoint_sequential in
-    ``k`` segments, keeping what ``policy`` says."""
+def _chain_variants(
+    k: int, n: int, policy: Policy | None
+) -> tuple[Variants, dict[str, Any]]:
+    """A chain of ``n`` modules run module by module, and through
+    checkpoint_sequential in ``k`` segments, keeping what ``policy`` says;
+    the row's shape."""
 
     def plain(m: nn.Module, t: Any) -> Any:
         for layer in cast(nn.Sequential, m):  # (a ModuleList too: its calls)
@@ -254,7 +259,7 @@ def _chain_variants(k: int, policy: Policy | None) -> Variants:
     def checkpointed(m: nn.Module, t: Any) -> Any:
         return checkpoint_sequential(cast(nn.Sequential, m), k, t, policy=policy)
 
-    return plain, checkpointed, _unchanged
+    return (plain, checkpointed, _unchanged), _shape(k, n, policy)
 
 
 def _unchanged(m: nn.Module) -> nn.Module:
@@ -273,13 +278,11 @@ def _call(model: nn.Module, x: Any) -> Any:
 
 
 def _whole_model_variants(
-    model: nn.Module, segments: int | None, policy: Policy | None
+    model: nn.Module, name: str, segments: int | None, policy: Policy | None
 ) -> tuple[Variants, dict[str, Any]]:
     """A whole model called plainly, and with its blocks checkpointed by
     :func:`~seqckpt.checkpoint_blocks` (on a copy), keeping what ``policy``
-    says; the row's ``segments`` and ``blocks``. Refused where that would
-    checkpoint nothing."""
-    name = type(model).__name__
+    says; the row's shape. Refused where that would checkpoint nothing."""
     if not model.training:
         raise ValueError(
             f"seqckpt: your {name} is in eval mode, where checkpointed blocks run "
@@ -308,7 +311,7 @@ def _whole_model_variants(
         )
     for w in caught:  # what else checkpoint_blocks says (own checkpointing on)
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return (_call, _call, with_blocks), {"segments": segments, "blocks": blocks}
+    return (_call, _call, with_blocks), _shape(segments, blocks, policy)
 
 
 def place(
@@ -346,7 +349,7 @@ def _compare(
 ) -> dict[str, Any]:
     """The row of ``validate`` for ``model`` on ``x``, plain and checkpointed
     (``prepare`` turns a copy into the checkpointed model); ``shape``: the
-    row's ``segments`` and ``blocks``."""
+    row's ``segments``, ``blocks`` and ``policy``."""
     # Warm up on throwaway copies: the first cuBLAS / cuDNN calls allocate
     # workspaces that stay, which would otherwise count against whichever
     # variant is measured first.
