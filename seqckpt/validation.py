@@ -29,7 +29,7 @@ from seqckpt.blocks import CheckpointedForward, checkpoint_blocks
 from seqckpt.memory import timed, track_memory
 from seqckpt.models import MODELS
 from seqckpt.policies import Policy, as_policy
-from seqckpt.sequential import checkpoint_sequential
+from seqckpt.sequential import CheckpointedSequential, checkpoint_sequential
 
 __all__ = ["validate"]
 
@@ -182,10 +182,15 @@ def validate_yours(
             f"{type(model).__name__}."
         )
     # (a container subclass with a forward of its own is a model: a chain's
-    # run would skip what that forward does between the layers)
+    # run would skip what that forward does between the layers; a
+    # CheckpointedSequential's forward is its chain's, checkpointed)
     chain = isinstance(model, (nn.Sequential, nn.ModuleList)) and type(
         model
-    ).forward in (nn.Sequential.forward, nn.ModuleList.forward)
+    ).forward in (
+        nn.Sequential.forward,
+        nn.ModuleList.forward,
+        CheckpointedSequential.forward,
+    )
     what = "chain" if chain else "model"
     if sample is None:
         taken = (

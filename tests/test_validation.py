@@ -347,6 +347,11 @@ def test_validate_runs_a_container_with_its_own_forward_as_a_model() -> None:
     )
     (row,) = seqckpt.validate(blocks, sample=torch.randn(64, 8))
     assert row["ok"] and (row["segments"], row["blocks"]) == (None, 3), row
+    # a CheckpointedSequential is a chain: its plain run is its layers', not
+    # its own checkpointed forward
+    chain = seqckpt.CheckpointedSequential(*blocks, segments=2)
+    (row,) = seqckpt.validate(chain, sample=torch.randn(64, 8))
+    assert row["ok"] and (row["segments"], row["blocks"]) == (2, 3), row
 
 
 def test_validate_takes_a_compiled_model() -> None:
